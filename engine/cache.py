@@ -1,0 +1,142 @@
+"""A preallocated KV cache written at explicit positions, behind transformers' Cache interface.
+
+Each layer owns one [batch, kv_heads, capacity, head_dim] buffer for keys and one for values, allocated on
+first use. A forward pass writes its new keys/values into slots [length, length + n) and attention reads the
+view [:length + n]: no torch.cat, so a decode step never copies the cache, and cutting the cache back to a
+shorter length is moving one integer (O(1), no tensor is touched). This is what makes WiM's "write a margin,
+then cut it off" cheap.
+
+Models with sliding-window layers cannot use it (their layers keep only a window); for them `make_cache` falls
+back to transformers' DynamicCache with past recording, whose crop is correct but copies.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, k_dim = key_states.shape
+        self.device = key_states.device
+        self.keys = torch.zeros(batch, heads, self.capacity, k_dim, dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros(batch, heads, self.capacity, value_states.shape[-1],
+                                  dtype=value_states.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise CacheFull(f"KV cache full: {end} tokens > capacity {self.capacity}")
+        self.keys[:, :, self.length:end].copy_(key_states)
+        self.values[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers' convention: a negative count removes that many tokens.
+        self.length = max(0, self.length - abs(tokens_to_remove))
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class PreallocatedCache(Cache):
+    kind = "preallocated"
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def truncate(self, length: int) -> None:
+        """Cut the cache back to its first `length` tokens: O(1), the buffers are left as they are and the next
+        write overwrites the stale slots."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        for layer in self.layers:
+            layer.length = length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The filled part of every layer, as named tensors (for saving a window's cache)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                out[f"k{i}"] = layer.keys[:, :, :layer.length]
+                out[f"v{i}"] = layer.values[:, :, :layer.length]
+        return out
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.layers):
+            keys, values = tensors[f"k{i}"], tensors[f"v{i}"]
+            layer.length = 0
+            layer.update(keys.to(layer.keys.device if layer.is_initialized else keys.device), values)
+
+
+class RecordingDynamicCache(DynamicCache):
+    """Fallback for sliding-window models: transformers' own cache, told to keep past states so that a crop
+    can restore the state before a margin exactly. Correct, but every step concatenates (copies)."""
+    kind = "dynamic (sliding-window fallback)"
+
+    def __init__(self, config, capacity: int):
+        super().__init__(config=config)
+        self.activate_past_recording()
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        return self.get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        if length < self.length:
+            self.crop(length - self.length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+
+def has_sliding_layers(config) -> bool:
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or []
+    return any(t != "full_attention" for t in layer_types) or bool(
+        getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None))
+
+
+def make_cache(model, capacity: int) -> PreallocatedCache | RecordingDynamicCache:
+    config = model.config
+    if has_sliding_layers(config):
+        return RecordingDynamicCache(config, capacity)
+    return PreallocatedCache(config.get_text_config(decoder=True).num_hidden_layers, capacity)

@@ -1,0 +1,99 @@
+"""Typed events the engine streams while it reads and answers.
+
+The engine knows nothing of its consumers: a CLI prints these, the app renders and stores them,
+tests assert on them. Every event is a frozen dataclass with a `kind` tag and `to_dict()` for JSON.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: ClassVar[str] = "event"
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class WindowStart(Event):
+    """A new context window begins (long documents): text before `first_segment` lives on only in margins."""
+    kind: ClassVar[str] = "window"
+    window: int
+    first_segment: int
+    carried_margins: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SegmentRead(Event):
+    """Segment `index` has been prefilled into the KV cache."""
+    kind: ClassVar[str] = "segment"
+    index: int
+    total: int
+    tokens: int
+    char_span: tuple[int, int]
+    pages: tuple[int, int] | None = None
+    window: int = 0
+    cache_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class MarginToken(Event):
+    """A piece of text appended to margin `index` as it is decoded."""
+    kind: ClassVar[str] = "margin_token"
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Margin(Event):
+    """A finished margin note, with the classifier's verdict (None when classifier is `none`)."""
+    kind: ClassVar[str] = "margin"
+    index: int
+    text: str
+    relevant: bool | None
+    score: float | None
+    tokens: int = 0
+    seconds: float = 0.0
+    pages: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class AnswerToken(Event):
+    kind: ClassVar[str] = "answer_token"
+    text: str
+
+
+@dataclass(frozen=True)
+class Answer(Event):
+    kind: ClassVar[str] = "answer"
+    text: str
+    margins_used: list[int] = field(default_factory=list)
+    query: str = ""
+
+
+@dataclass(frozen=True)
+class Stats(Event):
+    """Work done by one call (a read, an answer, or both). `peak_memory` is in bytes (RSS; CUDA peak on GPU)."""
+    kind: ClassVar[str] = "stats"
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    tokens_per_s: float
+    peak_memory: int
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    phase: str = "read"
+    cache: str = ""
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class Notice(Event):
+    """Something the user should know that is not an error (a fallback taken, a limit reached)."""
+    kind: ClassVar[str] = "notice"
+    text: str

@@ -1,0 +1,55 @@
+"""Prompt texts live in engine/prompts/*.txt; this module reads them and lays them into the chat template.
+
+The document sits inside one user turn: `prefix` (system + user turn start + document opening) is prefilled
+once, then the segments, raw. Every instruction (margin, answer) is a `suffix` that closes the document and the
+user turn and opens the assistant turn, so it can be appended after any segment and cut off again.
+"""
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+PROMPT_DIR = Path(__file__).with_name("prompts")
+_SLOT = "\x00SLOT\x00"
+
+
+@cache
+def prompt(name: str) -> str:
+    return (PROMPT_DIR / f"{name}.txt").read_text(encoding="utf-8").removesuffix("\n")
+
+
+def chat_parts(tokenizer, user_text: str) -> tuple[str, str]:
+    """Render [system, user: user_text] through the chat template and split it at user_text's {document} slot."""
+    messages = [{"role": "system", "content": prompt("system")},
+                {"role": "user", "content": user_text.replace("{document}", _SLOT)}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    before, after = rendered.split(_SLOT)
+    return before, after
+
+
+class PromptLayout:
+    """Token ids of the fixed pieces around a document, for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix_text, tail = chat_parts(tokenizer, prompt("document"))
+        # tail = the document's closing (what follows {document} in document.txt) + the template's end of the
+        # user turn and start of the assistant's; instructions go between the two.
+        self.closing = prompt("document").split("{document}", 1)[1]
+        if not tail.startswith(self.closing):
+            raise RuntimeError("the chat template altered the document prompt; cannot place instructions")
+        self.turn_end = tail[len(self.closing):]
+        self.prefix = self.encode(self.prefix_text)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def suffix(self, name: str, **fields) -> list[int]:
+        """Close the document, add instruction `name`, end the turn, open the assistant's."""
+        return self.encode(self.closing + prompt(name).format(**fields) + self.turn_end)
+
+    def standalone(self, name: str, **fields) -> list[int]:
+        """A whole conversation with no document (the classifier's scratch prompt)."""
+        messages = [{"role": "system", "content": prompt("system")},
+                    {"role": "user", "content": prompt(name).format(**fields)}]
+        return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))

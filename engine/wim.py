@@ -1,0 +1,270 @@
+"""Writing in the Margins: read a document chunk by chunk into one KV cache, write a margin note after each
+chunk, cut the note off again, and answer from the same cache.
+
+Cache layout while reading (one window):
+
+    [prefix][segment 0][segment 1]...[segment i]   <- kept
+                                              [margin instruction][margin tokens]   <- scratch, cut off (O(1))
+
+and while answering:
+
+    [prefix][segment 0]...[segment n-1][answer instruction with margins + question][answer tokens]
+
+After an answer the cache is cut back to the end of the document, so follow-up questions reuse it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Iterator
+
+import torch
+
+from .cache import make_cache
+from .classify import Classifier, embed
+from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats
+from .generate import Meter, Runner, Stopped, peak_memory_bytes
+from .model import LoadedModel, load_model
+from .prompts import PromptLayout
+from .segment import Segment, segment
+
+MODES = ("wim", "llm", "rag")
+
+
+class DocumentTooLong(ValueError):
+    """The text does not fit in the model's context window (or the configured budget)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "wim"                  # wim | llm (plain long-context) | rag (top-k segments)
+    segment_tokens: int = 1024         # target segment size, in the model's tokens
+    margin_tokens: int = 96            # longest margin note
+    answer_tokens: int = 128           # longest answer
+    classifier: str = "llm"            # llm | embedding | none
+    embedding_threshold: float = 0.3
+    rag_top_k: int = 3
+    temperature: float = 0.0           # 0: greedy
+    seed: int = 0
+    context_limit: int | None = None   # tokens the cache may hold; default: the model's context window
+
+    def validate(self) -> "Settings":
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if self.segment_tokens < 32 or self.margin_tokens < 1 or self.answer_tokens < 1:
+            raise ValueError("segment_tokens must be ≥ 32, margin_tokens and answer_tokens ≥ 1")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MarginNote:
+    index: int
+    text: str
+    relevant: bool | None
+    score: float | None
+
+
+class Engine:
+    """One loaded model; opens readings of documents."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.lm = loaded
+        self.layout = PromptLayout(loaded.tokenizer)
+        self.lock = threading.Lock()  # one forward pass at a time per model
+
+    @classmethod
+    def load(cls, spec: str = "embedded", device: str | None = None, dtype: str | None = None) -> "Engine":
+        return cls(load_model(spec, device, dtype))
+
+    def open(self, text: str, settings: Settings = Settings(), page_starts: list[int] | None = None) -> "Reading":
+        return Reading(self, text, settings.validate(), page_starts)
+
+    def run(self, text: str, query: str, settings: Settings = Settings(), page_starts=None,
+            stop: threading.Event | None = None) -> Iterator[Event]:
+        """Read, then answer with the classifier's selection: the whole pipeline as one event stream."""
+        reading = self.open(text, settings, page_starts)
+        yield from reading.read(query, stop)
+        if not (stop and stop.is_set()):
+            yield from reading.answer(query, stop=stop)
+
+
+class Reading:
+    """A document segmented for one model, with the KV cache that holds it."""
+
+    def __init__(self, engine: Engine, text: str, settings: Settings, page_starts: list[int] | None):
+        self.engine, self.settings = engine, settings
+        lm = engine.lm
+        self.limit = min(settings.context_limit or lm.context_length, lm.context_length)
+        self.doc = segment(text, lm.tokenizer, settings.segment_tokens, page_starts)
+        if not self.doc.segments:
+            raise ValueError("The document has no text to read.")
+        self.layout = engine.layout
+        self.meter = Meter()
+        self.runner = Runner(lm.model, lm.tokenizer, lm.device, self.meter)
+        self.cache = make_cache(lm.model, self.limit)
+        self.margins: dict[int, MarginNote] = {}
+        self.read_segments: list[int] = []   # segments in the cache, in order
+        self.doc_end = 0                     # cache length at the end of the last segment read
+        self.query = ""
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self._check_fits()
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.doc.segments
+
+    def _check_fits(self) -> None:
+        reserve = len(self.layout.suffix("margin", query="")) + 64 + self.settings.margin_tokens
+        need = len(self.layout.prefix) + len(self.doc.token_ids) + reserve
+        if self.settings.mode != "rag" and need > self.limit:
+            raise DocumentTooLong(
+                f"This text is {len(self.doc.token_ids):,} tokens; with the instructions it needs {need:,}, "
+                f"but {self.engine.lm.name} reads at most {self.limit:,} tokens at once. "
+                "Use a shorter text or a model with a longer context.")
+
+    # ---- reading -------------------------------------------------------------------------------------
+    def read(self, query: str, stop: threading.Event | None = None, skip: dict[int, str] | None = None
+             ) -> Iterator[Event]:
+        """Prefill every segment; in `wim` mode write a margin after each. `skip` maps segment indexes to margins
+        already written (a resumed reading): those segments are re-read into the cache, their margins kept."""
+        self.query, skip = query, skip or {}
+        self._reset(Meter())
+        mode = self.settings.mode
+        classifier = Classifier(self.settings.classifier, self.runner, self.layout,
+                                self.settings.embedding_threshold) if mode == "wim" else None
+        chosen = self._rag_choice(query) if mode == "rag" else None
+        try:
+            self.runner.prefill(self.layout.prefix, self.cache, stop)
+            for seg in self.segments:
+                if chosen is not None and seg.index not in chosen:
+                    continue
+                t = time.perf_counter()
+                with self.engine.lock:
+                    self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
+                self.read_segments.append(seg.index)
+                self.doc_end = self.cache.length
+                yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
+                                  seg.pages, 0, self.cache.length, round(time.perf_counter() - t, 4))
+                if mode != "wim":
+                    continue
+                if seg.index in skip:
+                    self.margins[seg.index] = MarginNote(seg.index, skip[seg.index], None, None)
+                    continue
+                yield from self._write_margin(seg, query, classifier, stop)
+        except Stopped:
+            self.cache.truncate(self.doc_end)
+            yield self._stats("read", stopped=True)
+            return
+        yield self._stats("read")
+
+    def _reset(self, meter: Meter) -> None:
+        self.meter = self.runner.meter = meter
+        self.cache.truncate(0)
+        self.margins.clear()
+        self.read_segments.clear()
+        self.doc_end = 0
+
+    def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop) -> Iterator[Event]:
+        t = time.perf_counter()
+        pieces, count = [], 0
+        with self.engine.lock:
+            logits = self.runner.prefill(self.layout.suffix("margin", query=query), self.cache, stop)
+            try:
+                for _, piece in self.runner.decode(self.cache, logits, self.settings.margin_tokens, stop,
+                                                   self.settings.temperature, self.generator):
+                    count += 1
+                    if piece:
+                        pieces.append(piece)
+                        yield MarginToken(seg.index, piece)
+            finally:
+                # Cut the instruction and the note off: the cache is back at the segment boundary.
+                self.cache.truncate(self.doc_end)
+            text = "".join(pieces).strip()
+            relevant, score = classifier(query, text, stop)
+        self.margins[seg.index] = MarginNote(seg.index, text, relevant, score)
+        yield Margin(seg.index, text, relevant, score, count, round(time.perf_counter() - t, 4), seg.pages)
+
+    def _rag_choice(self, query: str) -> set[int]:
+        """Indexes of the top-k segments by MiniLM similarity to the query (the RAG baseline)."""
+        texts = [self.doc.segment_text(s) for s in self.segments]
+        vectors = embed([query, *texts], "cuda" if self.engine.lm.device.type == "cuda" else "cpu")
+        scores = vectors[1:] @ vectors[0]
+        k = min(self.settings.rag_top_k, len(texts))
+        # Keep as many of the best as fit in the window.
+        budget = self.limit - len(self.layout.prefix) - 256 - self.settings.answer_tokens
+        chosen, used = set(), 0
+        for i in torch.argsort(scores, descending=True).tolist()[:k]:
+            if used + self.segments[i].tokens <= budget:
+                chosen.add(i)
+                used += self.segments[i].tokens
+        return chosen
+
+    # ---- answering -----------------------------------------------------------------------------------
+    def default_selection(self) -> list[int]:
+        """Margins the classifier kept (all of them when there is no classifier)."""
+        return [i for i, m in sorted(self.margins.items())
+                if m.text and (m.relevant if m.relevant is not None else True)]
+
+    def answer(self, query: str, margins: list[int] | dict[int, str] | None = None,
+               stop: threading.Event | None = None) -> Iterator[Event]:
+        """Answer from the cache: document, then the chosen margins, then the question.
+
+        `margins`: the human-in-the-loop override, a list of segment indexes (texts from this reading) or a
+        dict index -> text (margins restored from storage). None: the classifier's selection."""
+        if not self.read_segments:
+            raise RuntimeError("Nothing has been read yet: call read() first.")
+        meter = Meter()
+        self.meter = self.runner.meter = meter
+        self.cache.truncate(self.doc_end)
+        if isinstance(margins, dict):
+            notes = dict(sorted(margins.items()))
+        else:
+            selection = self.default_selection() if margins is None else sorted(margins)
+            notes = {i: self.margins[i].text for i in selection if i in self.margins}
+        if self.settings.mode == "wim":
+            ids, used, dropped = self._answer_prompt(query, notes)
+            if dropped:
+                yield Notice(f"{len(dropped)} margin(s) did not fit in the context window and were left out "
+                             f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
+        else:
+            ids, used = self.layout.suffix("answer_plain", query=query), []
+        pieces = []
+        try:
+            with self.engine.lock:
+                logits = self.runner.prefill(ids, self.cache, stop)
+                room = self.limit - self.cache.length
+                for _, piece in self.runner.decode(self.cache, logits, min(self.settings.answer_tokens, room),
+                                                   stop, self.settings.temperature, self.generator):
+                    if piece:
+                        pieces.append(piece)
+                        yield AnswerToken(piece)
+        except Stopped:
+            yield self._stats("answer", stopped=True)
+            return
+        finally:
+            self.cache.truncate(self.doc_end)  # ready for a follow-up question
+        yield Answer("".join(pieces).strip(), used, query)
+        yield self._stats("answer")
+
+    def _answer_prompt(self, query: str, notes: dict[int, str]) -> tuple[list[int], list[int], list[int]]:
+        """Answer suffix with as many of the chosen margins as fit before the answer's own room."""
+        room = self.limit - self.doc_end - self.settings.answer_tokens
+        used, dropped = list(notes), []
+        while True:
+            lines = "\n".join(f"- (part {i + 1}) {notes[i]}" for i in used) or "(none)"
+            ids = self.layout.suffix("answer", query=query, margins=lines)
+            if len(ids) <= room or not used:
+                return ids, used, dropped
+            dropped.insert(0, used.pop())  # drop from the end: earlier margins were written first
+
+    def _stats(self, phase: str, stopped: bool = False) -> Stats:
+        m = self.meter
+        seconds = m.seconds
+        tokens = m.prefill_tokens + m.decode_tokens
+        return Stats(m.prefill_tokens, m.decode_tokens, round(seconds, 4),
+                     round(tokens / seconds, 2) if seconds else 0.0, peak_memory_bytes(self.engine.lm.device),
+                     round(m.prefill_seconds, 4), round(m.decode_seconds, 4), phase, self.cache.kind, stopped)
