@@ -104,7 +104,7 @@ def pick_device(device: str | None) -> torch.device:
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype and dtype != "auto":
-        return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+        return {"fp64": torch.float64, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}[dtype]
     if device.type == "cuda":
         return torch.bfloat16

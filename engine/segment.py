@@ -104,6 +104,10 @@ def segment(text: str, tokenizer, target_tokens: int, page_starts: list[int] | N
         c1 = len(text) if t1 == len(ids) else starts[t1]
         pages = None
         if page_starts:
-            pages = (bisect.bisect_right(page_starts, c0), bisect.bisect_right(page_starts, max(c0, c1 - 1)))
+            # Pages of the first and last visible characters: whitespace at a page turn belongs to no page.
+            body = text[c0:c1]
+            first = c0 + len(body) - len(body.lstrip())
+            last = max(first, c0 + len(body.rstrip()) - 1)
+            pages = (bisect.bisect_right(page_starts, first), bisect.bisect_right(page_starts, last))
         segments.append(Segment(index, c0, c1, t0, t1, pages))
     return SegmentedText(text, ids, segments)

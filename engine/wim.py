@@ -131,7 +131,8 @@ class Reading:
              ) -> Iterator[Event]:
         """Prefill every segment; in `wim` mode write a margin after each. `skip` maps segment indexes to margins
         already written (a resumed reading): those segments are re-read into the cache, their margins kept."""
-        self.query, skip = query, skip or {}
+        query = self.query = query.strip()
+        skip = skip or {}
         self._reset(Meter())
         mode = self.settings.mode
         classifier = Classifier(self.settings.classifier, self.runner, self.layout,
@@ -217,8 +218,8 @@ class Reading:
         dict index -> text (margins restored from storage). None: the classifier's selection."""
         if not self.read_segments:
             raise RuntimeError("Nothing has been read yet: call read() first.")
-        meter = Meter()
-        self.meter = self.runner.meter = meter
+        query = query.strip()
+        self.meter = self.runner.meter = Meter()
         self.cache.truncate(self.doc_end)
         if isinstance(margins, dict):
             notes = dict(sorted(margins.items()))

@@ -1,0 +1,110 @@
+"""Marginalia: `python app.py` starts the web app (also what a Hugging Face Space runs).
+
+    python app.py                       # embedded SmolLM2, http://127.0.0.1:7860, opens the browser
+    python app.py --model HuggingFaceTB/SmolLM2-360M-Instruct --port 8000 --no-browser
+    MARGINALIA_MODEL=... MARGINALIA_DATA=/data python app.py
+
+The model is loaded once, here, before the server starts; every reading and answer reuses it.
+"""
+from __future__ import annotations
+
+# On a ZeroGPU Space, `spaces` must be imported before torch; elsewhere it is a no-op (or absent).
+try:
+    import spaces  # noqa: F401
+except Exception:  # pragma: no cover
+    spaces = None
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("marginalia")
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from engine.wim import Settings
+
+    on_space = bool(os.environ.get("SPACE_ID"))
+    p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
+    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
+                   help="`embedded` (SmolLM2-135M, no download), a Hugging Face model id, or a local folder "
+                        "[env MARGINALIA_MODEL]")
+    p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if on_space else "127.0.0.1"))
+    p.add_argument("--port", type=int, default=_env_int("GRADIO_SERVER_PORT", 7860))
+    p.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
+    p.add_argument("--data-dir", default=os.environ.get("MARGINALIA_DATA", "data"),
+                   help="where the database and the browser-id secret live [env MARGINALIA_DATA, default ./data]")
+    p.add_argument("--device", default=os.environ.get("MARGINALIA_DEVICE"), help="cpu, cuda, … (default: auto)")
+    p.add_argument("--dtype", default=os.environ.get("MARGINALIA_DTYPE"), help="fp32, bf16, fp16 (default: auto)")
+    p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
+    p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
+    p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
+    p.add_argument("--classifier", choices=["llm", "embedding", "none"],
+                   default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier))
+    p.add_argument("--no-warm-up", action="store_true", help="skip the short warm-up reading at start-up")
+    args = p.parse_args(argv)
+    args.browser = not args.no_browser and not on_space
+    return args
+
+
+def browser_secret(data_dir: Path) -> str:
+    """The key gr.BrowserState encrypts the browser's id with; kept on disk so ids survive restarts."""
+    path = data_dir / "secret"
+    if path.exists():
+        value = path.read_text(encoding="utf-8").strip()
+        if value:
+            return value
+    value = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(value + "\n")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
+    args = parse_args(argv)
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+
+    from app import ingest, web, worker
+    from app.service import Defaults, Service
+    from app.storage import Store
+    from engine.wim import Engine
+
+    log.info("loading the model %r (once, at start-up)…", args.model)
+    t = time.perf_counter()
+    engine = Engine.load(args.model, args.device, args.dtype)
+    info = engine.lm.info
+    log.info("model ready in %.1f s: %s on %s (%s), %s-token window", time.perf_counter() - t, info["name"],
+             info["device"], info["dtype"], f"{info['context_length']:,}")
+
+    store = Store(data_dir / "marginalia.db")
+    defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier)
+    service = Service(engine, store, defaults)
+    if not args.no_warm_up and not worker.ZERO_GPU:
+        t = time.perf_counter()
+        rates = service.warm_up()
+        log.info("warmed up in %.1f s: prefill ≈ %.0f tokens/s, writing ≈ %.1f tokens/s",
+                 time.perf_counter() - t, rates["prefill"], rates["decode"])
+
+    demo = web.build(service, browser_secret(data_dir))
+    demo.queue(default_concurrency_limit=1)
+    log.info("data in %s; serving on http://%s:%d", data_dir, args.host, args.port)
+    demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
+                max_file_size=ingest.MAX_FILE_BYTES, blocked_paths=[str(data_dir)], show_error=True,
+                **web.launch_kwargs())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""HTML for Marginalia's screen: the margin panel (progress, reading map, cards), the segment being read,
+the answers, the document card and notices.
+
+Every piece of text that comes from a document, a model or a user goes through `esc()`: documents and
+margins are shown as text, never interpreted as HTML. Numbers and fixed words are formatted here too,
+so the Gradio layer only moves strings around.
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+
+# Segment numbers on screen are 1-based (the engine's indexes are 0-based).
+
+
+def esc(text: object) -> str:
+    return html.escape("" if text is None else str(text), quote=True)
+
+
+def pages_label(pages: tuple[int, int] | list[int] | None) -> str:
+    """(3, 3) -> 'p. 3'; (3, 5) -> 'pp. 3–5'; None -> ''."""
+    if not pages or pages[0] is None:
+        return ""
+    first, last = pages[0], pages[1] if len(pages) > 1 and pages[1] is not None else pages[0]
+    return f"p. {first}" if first == last else f"pp. {first}–{last}"
+
+
+def duration(seconds: float | None) -> str:
+    """Rough human duration: '8 s', '1 min 20 s', '12 min', '1 h 05 min'."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "—"
+    seconds = int(math.ceil(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 10:
+        return f"{minutes} min {secs:02d} s" if secs else f"{minutes} min"
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+# ---------------------------------------------------------------- what the panel shows
+
+@dataclass
+class Card:
+    index: int
+    pages: tuple[int, int] | None = None
+    text: str = ""
+    verdict: bool | None = None     # the classifier's
+    score: float | None = None
+    mark: bool | None = None        # the reader's override
+    done: bool = False              # False while the margin is being written
+
+    @property
+    def effective(self) -> bool | None:
+        return self.mark if self.mark is not None else self.verdict
+
+
+@dataclass
+class SegmentInfo:
+    index: int
+    tokens: int
+    pages: tuple[int, int] | None = None
+
+
+@dataclass
+class Panel:
+    """Everything the right-hand panel shows for one session."""
+    session_id: str = ""
+    status: str = "idle"   # idle | queued | reading | stopping | stopped | interrupted | done | error | answering
+    message: str = ""
+    segments: list[SegmentInfo] = field(default_factory=list)
+    cards: dict[int, Card] = field(default_factory=dict)
+    read: set[int] = field(default_factory=set)      # segments in the cache (or skipped on resume)
+    current: int | None = None                        # segment being read or written about
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    used: set[int] = field(default_factory=set)      # margins the latest answer used
+    classifier: str = "llm"
+
+    @property
+    def total(self) -> int:
+        return len(self.segments)
+
+    @property
+    def done_count(self) -> int:
+        """Segments finished: read, and their margin written (or kept from before)."""
+        return sum(1 for i in self.read if i in self.cards and self.cards[i].done)
+
+
+def _verdict_label(card: Card, classifier: str) -> str:
+    if not card.done:
+        return "writing…"
+    if card.verdict is None:
+        return "no automatic verdict" if classifier == "none" else "auto: —"
+    word = "relevant" if card.verdict else "not relevant"
+    return f"auto: {word}" + (f" · {card.score:.2f}" if card.score is not None else "")
+
+
+def _cell_state(panel: Panel, seg: SegmentInfo) -> str:
+    card = panel.cards.get(seg.index)
+    if card is not None and card.done:
+        eff = card.effective
+        return "neutral" if eff is None else "relevant" if eff else "irrelevant"
+    if seg.index == panel.current and panel.status in ("reading", "stopping", "answering"):
+        return "reading"
+    if seg.index in panel.read:
+        return "read"
+    return "unread"
+
+
+def _bit(value: bool | None) -> str:
+    return "" if value is None else "1" if value else "0"
+
+
+def card_html(card: Card, classifier: str, used: bool = False) -> str:
+    eff = card.effective
+    pages = pages_label(card.pages)
+    state = "done" if card.done else "writing"
+    disabled = "" if card.done else " disabled"
+    if card.text:
+        text = esc(card.text)
+    else:
+        text = '<span class="mg-empty">(the model wrote nothing)</span>' if card.done else ""
+    used_attr = ' data-used="1"' if used else ""
+    pages_span = f'<span class="mg-pages">{esc(pages)}</span>' if pages else ""
+    used_badge = '<span class="mg-used-badge">used in answer</span>' if used else ""
+    yours = '<span class="mg-yours">your call</span>' if card.mark is not None else ""
+    relevant_pressed = "true" if eff is not False else "false"
+    irrelevant_pressed = "true" if eff is False else "false"
+    return (
+        f'<article class="mg-card" id="mg-card-{card.index}" data-index="{card.index}" data-state="{state}" '
+        f'data-verdict="{_bit(card.verdict)}" data-mark="{_bit(card.mark)}" data-effective="{_bit(eff)}"'
+        f'{used_attr}>'
+        f'<header class="mg-card-head"><span class="mg-seg">Segment {card.index + 1}</span>{pages_span}'
+        f'<span class="mg-verdict">{esc(_verdict_label(card, classifier))}</span>{used_badge}</header>'
+        f'<p class="mg-text">{text}</p>'
+        f'<div class="mg-toggle" role="group" aria-label="Your verdict for segment {card.index + 1}">'
+        f'<button type="button" class="mg-flip" data-mark="1" aria-pressed="{relevant_pressed}"{disabled}>'
+        f'Relevant</button>'
+        f'<button type="button" class="mg-flip" data-mark="0" aria-pressed="{irrelevant_pressed}"{disabled}>'
+        f'Irrelevant</button>{yours}'
+        f'</div></article>'
+    )
+
+
+def panel_html(panel: Panel) -> str:
+    total, done = panel.total, panel.done_count
+    pct = 0 if not total else round(100 * done / total, 1)
+    cells = []
+    for seg in panel.segments:
+        state = _cell_state(panel, seg)
+        card = panel.cards.get(seg.index)
+        flipped = card is not None and card.done and card.mark is not None
+        label = f"Segment {seg.index + 1}" + (f" · {pages_label(seg.pages)}" if seg.pages else "") + f" · {state}"
+        flipped_attr = ' data-flipped="1"' if flipped else ""
+        cells.append(
+            f'<button type="button" class="mg-cell" data-index="{seg.index}" data-state="{state}"{flipped_attr} '
+            f'style="flex:{max(seg.tokens, 1)} 1 0px" title="{esc(label)}" aria-label="{esc(label)}"></button>')
+    done_cards = [c for c in panel.cards.values() if c.done]
+    kept = sum(1 for c in done_cards if c.effective is not False and c.text)
+    meta = [f'<span class="mg-count-read">{done} / {total} segments</span>' if total else ""]
+    if panel.tokens_per_s:
+        meta.append(f"<span>{panel.tokens_per_s:,.0f} tokens/s</span>")
+    if panel.status in ("reading", "queued") and panel.eta_s is not None:
+        meta.append(f"<span>about {esc(duration(panel.eta_s))} left</span>")
+    cards = "".join(card_html(panel.cards[i], panel.classifier, i in panel.used) for i in sorted(panel.cards))
+    if not cards:
+        cards = ('<div class="mg-placeholder">Margin notes appear here, one per segment, as the model writes '
+                 'them. Mark each one relevant or not: the answer uses the ones you keep.</div>')
+    selection = ""
+    if done_cards:
+        selection = (f'<div class="mg-selection"><strong class="mg-kept">{kept}</strong> of '
+                     f'{len(done_cards)} margins marked relevant — Answer uses these.</div>')
+    legend = ('<div class="mg-legend"><span data-state="relevant">relevant</span>'
+              '<span data-state="irrelevant">not relevant</span><span data-state="reading">reading</span>'
+              '<span data-state="unread">not read yet</span></div>') if total else ""
+    return (
+        f'<div class="mg-panel" data-session="{esc(panel.session_id)}" data-status="{esc(panel.status)}" '
+        f'data-read="{done}" data-total="{total}">'
+        f'<div class="mg-status" role="status" aria-live="polite"><span class="mg-dot"></span>'
+        f'<span class="mg-status-text">{esc(panel.message or _default_message(panel))}</span></div>'
+        f'<div class="mg-progress" role="progressbar" aria-label="Segments read" aria-valuemin="0" '
+        f'aria-valuemax="{total}" aria-valuenow="{done}"><div class="mg-progress-bar" style="width:{pct}%">'
+        f'</div></div>'
+        f'<div class="mg-progress-meta">{"".join(meta)}</div>'
+        f'<div class="mg-map" aria-label="Reading map: one cell per segment">{"".join(cells)}</div>'
+        f'{legend}{selection}'
+        f'<div class="mg-cards">{cards}</div></div>'
+    )
+
+
+def _default_message(panel: Panel) -> str:
+    total, done = panel.total, panel.done_count
+    return {
+        "idle": "Upload a document, ask a question, press Read." if not total else f"{done} of {total} segments read.",
+        "queued": "Waiting for the reader…",
+        "reading": f"Reading segment {(panel.current or 0) + 1} of {total}…",
+        "stopping": "Stopping…",
+        "stopped": f"Stopped after {done} of {total} segments. The margins so far are saved: "
+                   "answer from them, or Resume.",
+        "interrupted": f"Interrupted after {done} of {total} segments. Resume to continue.",
+        "done": f"Read all {total} segments.",
+        "answering": "Answering…",
+        "error": "Something went wrong.",
+    }.get(panel.status, "")
+
+
+def empty_panel() -> str:
+    return panel_html(Panel())
+
+
+# ---------------------------------------------------------------- the segment being read
+
+def segment_html(text: str, start: int, end: int, index: int, total: int, pages=None, tokens: int | None = None,
+                 context: int = 240, label: str = "Now reading") -> str:
+    """The current segment, with a little of the text around it (dimmed)."""
+    before = text[max(0, start - context):start]
+    after = text[end:end + context]
+    if start - context > 0:
+        before = "…" + before.split(" ", 1)[-1] if " " in before else "…" + before
+    if end + context < len(text):
+        after = (after.rsplit(" ", 1)[0] if " " in after else after) + "…"
+    meta = [f"segment {index + 1} of {total}"]
+    if pages:
+        meta.append(pages_label(pages))
+    if tokens:
+        meta.append(f"{tokens:,} tokens")
+    return (
+        f'<div class="mg-segview" data-index="{index}"><div class="mg-segview-head">'
+        f'<span class="mg-segview-label">{esc(label)}</span> {esc(" · ".join(meta))}</div>'
+        f'<div class="mg-segview-body"><span class="mg-ctx">{esc(before)}</span>'
+        f'<mark class="mg-current">{esc(text[start:end])}</mark><span class="mg-ctx">{esc(after)}</span></div></div>'
+    )
+
+
+def empty_segment() -> str:
+    return ('<div class="mg-segview mg-segview-empty"><div class="mg-segview-head">'
+            '<span class="mg-segview-label">Now reading</span></div>'
+            '<div class="mg-segview-body">The text of the segment being read shows here.</div></div>')
+
+
+# ---------------------------------------------------------------- answers
+
+@dataclass
+class AnswerView:
+    question: str
+    text: str = ""
+    used: list[int] = field(default_factory=list)
+    pages: dict[int, tuple[int, int] | None] = field(default_factory=dict)
+    done: bool = True
+    note: str = ""
+    seconds: float | None = None
+
+
+def answers_html(answers: list[AnswerView]) -> str:
+    """Newest first."""
+    if not answers:
+        return ('<div class="mg-answers mg-answers-empty">Answers appear here. Answer uses the margins marked '
+                'relevant; ask follow-up questions about the same document without reading it again.</div>')
+    out = []
+    for a in answers:
+        state = "done" if a.done else "writing"
+        if a.done:
+            if a.used:
+                chips = "".join(
+                    f'<span class="mg-chip" data-index="{i}">Segment {i + 1}'
+                    f'{(" · " + esc(pages_label(a.pages.get(i)))) if a.pages.get(i) else ""}</span>'
+                    for i in a.used)
+                used = f'<div class="mg-used"><span class="mg-used-label">Used margins:</span> {chips}</div>'
+            else:
+                used = ('<div class="mg-used"><span class="mg-used-label">Used margins:</span> none — no margin '
+                        'was marked relevant, so the answer comes from the text alone.</div>')
+        else:
+            used = ""
+        note = f'<div class="mg-answer-note">{esc(a.note)}</div>' if a.note else ""
+        body = esc(a.text) if a.text else ('<span class="mg-empty">(no answer)</span>' if a.done else "")
+        took = f' <span class="mg-took">{esc(duration(a.seconds))}</span>' if a.done and a.seconds else ""
+        out.append(
+            f'<section class="mg-answer" data-state="{state}"><div class="mg-q"><span class="mg-q-label">Q</span>'
+            f'{esc(a.question)}{took}</div><div class="mg-a">{body}</div>{note}{used}</section>')
+    return f'<div class="mg-answers">{"".join(out)}</div>'
+
+
+# ---------------------------------------------------------------- document, notices, header
+
+def document_html(title: str, kind: str, name: str, pages: int | None, chars: int, tokens: int | None,
+                  segments: int | None, segment_tokens: int | None, estimate_s: float | None,
+                  problem: str = "") -> str:
+    facts = [kind.upper()]
+    if pages:
+        facts.append(f"{pages:,} page{'s' if pages != 1 else ''}")
+    facts.append(f"{chars:,} characters")
+    if tokens is not None:
+        facts.append(f"{tokens:,} tokens")
+    if segments is not None:
+        facts.append(f"{segments} segment{'s' if segments != 1 else ''} of ≤{segment_tokens:,} tokens")
+    if estimate_s is not None:
+        facts.append(f"about {duration(estimate_s)} to read here")
+    warn = f'<div class="mg-doc-problem" role="alert">{esc(problem)}</div>' if problem else ""
+    return (f'<div class="mg-doc"><div class="mg-doc-title">{esc(title)}</div>'
+            f'<div class="mg-doc-name">{esc(name)}</div>'
+            f'<div class="mg-doc-meta">{esc(" · ".join(facts))}</div>{warn}</div>')
+
+
+def no_document() -> str:
+    return '<div class="mg-doc mg-doc-empty">No document yet: upload a .txt, .md, .pdf or .epub file.</div>'
+
+
+def notice_html(message: str, kind: str = "error") -> str:
+    if not message:
+        return ""
+    role = "alert" if kind == "error" else "status"
+    return f'<div class="mg-notice" data-kind="{esc(kind)}" role="{role}">{esc(message)}</div>'
+
+
+def header_html(info: dict, startup_s: float | None = None) -> str:
+    bits = [info.get("name", "?"), info.get("device", "?"), info.get("dtype", "?")]
+    if info.get("context_length"):
+        bits.append(f"{int(info['context_length']):,}-token window")
+    loaded = info.get("load_seconds")
+    when = f"loaded once at start-up in {loaded:.1f} s" if isinstance(loaded, (int, float)) else "loaded at start-up"
+    return (
+        '<div class="mg-header"><div class="mg-brand"><span class="mg-logo" aria-hidden="true">¶</span>'
+        '<div><h1>Marginalia</h1><p>Reads your document segment by segment, writes a note in the margin after '
+        'each, and answers from the notes you keep.</p></div></div>'
+        f'<div class="mg-model" title="{esc(when)}"><span class="mg-model-dot"></span>{esc(" · ".join(bits))}'
+        f'<span class="mg-model-when">{esc(when)}</span></div></div>'
+    )
+
+
+def model_info_html(info: dict, rates: dict | None = None) -> str:
+    rows = [("Model", info.get("name")), ("Device", info.get("device")), ("Precision", info.get("dtype")),
+            ("Attention", info.get("attention")),
+            ("Context window", f"{int(info['context_length']):,} tokens" if info.get("context_length") else None),
+            ("Parameters", f"{int(info['parameters']) / 1e6:,.0f} M" if info.get("parameters") else None),
+            ("Loaded in", f"{info['load_seconds']:.1f} s at start-up" if info.get("load_seconds") is not None
+             else None)]
+    if rates:
+        rows.append(("Measured speed", f"prefill ≈ {rates['prefill']:,.0f} tokens/s, "
+                                       f"writing ≈ {rates['decode']:,.1f} tokens/s"))
+    body = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows if v is not None)
+    return f'<dl class="mg-modelinfo">{body}</dl>'

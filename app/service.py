@@ -1,0 +1,579 @@
+"""What Marginalia does for a reader, without any Gradio: documents, sessions, reading, answering, marks.
+
+The Gradio layer (app/web.py) calls these methods and puts the HTML they return on screen; the API
+endpoints call the same methods. Every method that takes a session id from outside also takes the
+`owner` (the browser's id, or an API client's) and refuses sessions that are not the owner's.
+
+Streams (`read_stream`, `answer_stream`) are generators of `Update`s: dicts naming the parts of the
+screen that changed. They run in the single engine worker slot (see web.py: concurrency_limit=1), save
+every margin the moment it is complete, and leave the session in a state a later Resume can continue.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator
+
+from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, Stats
+from engine.wim import DocumentTooLong, Engine, Settings
+
+from . import render, worker
+from .ingest import IngestError, load_document
+from .render import AnswerView, Card, Panel, SegmentInfo
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+Update = dict  # keys: panel, segment, answers, sessions, notice, resume (each an HTML string or value)
+
+WARMUP_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+    "the great lens and wrote the weather in a small leather book. Ships passed far out at sea; none of "
+    "them knew his name. In winter the storms came from the north and the tower shook, but the light never "
+    "failed. When he grew old, his daughter took over the work, and she kept the same book, adding a line "
+    "each night in her own hand.")
+
+
+class UserError(Exception):
+    """Something the reader can fix; the message is shown on screen as is."""
+
+
+@dataclass
+class Defaults:
+    segment_tokens: int = Settings.segment_tokens
+    margin_tokens: int = Settings.margin_tokens
+    answer_tokens: int = Settings.answer_tokens
+    classifier: str = Settings.classifier
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _date(iso: str) -> str:
+    try:
+        return datetime.datetime.fromisoformat(iso).astimezone().strftime("%d %b %H:%M")
+    except (TypeError, ValueError):
+        return ""
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-")[:40].lower() or "session"
+
+
+class Service:
+    def __init__(self, engine: Engine, store: Store, defaults: Defaults | None = None,
+                 rates: dict | None = None):
+        self.engine, self.store = engine, store
+        self.defaults = defaults or Defaults()
+        self.model = engine.lm.name
+        self.rates = rates or {"prefill": 400.0, "decode": 8.0}
+        self._stops: dict[str, threading.Event] = {}
+        self._active: dict[str, str] = {}       # session id -> "read" | "answer", while its job runs
+        self._waiting: list[str] = []           # session ids with an engine job queued, oldest first
+        self._marks: dict[str, dict[int, bool | None]] = {}
+        self._segments: OrderedDict[str, list] = OrderedDict()
+        self._lock = threading.Lock()
+        worker.set_engine(engine)
+
+    # ------------------------------------------------------------------ start-up
+
+    def warm_up(self) -> dict:
+        """One tiny reading: the first forward passes are slow, and it measures this machine's speed for
+        the reading-time estimates."""
+        reading = self.engine.open(WARMUP_TEXT, Settings(segment_tokens=160, margin_tokens=6, answer_tokens=4,
+                                                         classifier=self.defaults.classifier,
+                                                         context_limit=1024))
+        stats = [ev for ev in reading.read("Who keeps the light?") if isinstance(ev, Stats)][-1]
+        if stats.prefill_seconds > 0 and stats.decode_seconds > 0:
+            self.rates = {"prefill": stats.prefill_tokens / stats.prefill_seconds,
+                          "decode": stats.decode_tokens / stats.decode_seconds}
+        return self.rates
+
+    def _learn_rates(self, stats: Stats) -> None:
+        if stats.stopped or stats.prefill_seconds <= 0.2 or stats.decode_seconds <= 0.2:
+            return
+        prefill = stats.prefill_tokens / stats.prefill_seconds
+        decode = stats.decode_tokens / stats.decode_seconds
+        self.rates = {"prefill": 0.5 * self.rates["prefill"] + 0.5 * prefill,
+                      "decode": 0.5 * self.rates["decode"] + 0.5 * decode}
+
+    def estimate_seconds(self, tokens: int, segments: int, settings: Settings) -> float:
+        prefill = tokens + segments * 60
+        if settings.classifier == "llm":
+            prefill += segments * 120
+        decode = segments * settings.margin_tokens * 0.8
+        return prefill / self.rates["prefill"] + decode / max(self.rates["decode"], 0.1)
+
+    # ------------------------------------------------------------------ settings and documents
+
+    def settings(self, segment_tokens=None, margin_tokens=None, answer_tokens=None, classifier=None) -> Settings:
+        d = self.defaults
+        try:
+            return Settings(segment_tokens=int(segment_tokens or d.segment_tokens),
+                            margin_tokens=int(margin_tokens or d.margin_tokens),
+                            answer_tokens=int(answer_tokens or d.answer_tokens),
+                            classifier=classifier or d.classifier).validate()
+        except (TypeError, ValueError) as e:
+            raise UserError(f"Those settings don't work: {e}") from e
+
+    def add_upload(self, path: str | None) -> int:
+        """Read an uploaded file and store it; returns the document id. UserError for a bad file."""
+        if not path:
+            raise UserError("Please choose a file to upload.")
+        try:
+            doc = load_document(path, os.path.basename(path))
+        except IngestError as e:
+            raise UserError(str(e)) from e
+        return self.store.add_document(os.path.basename(path), doc.kind, doc.title, doc.text, doc.sha256,
+                                       doc.page_starts)
+
+    def _open(self, doc: dict, settings: Settings):
+        """Segment the document for this model (raises DocumentTooLong / ValueError)."""
+        return self.engine.open(doc["text"], settings, doc["page_starts"])
+
+    def document_html(self, doc_id: int | None, settings: Settings) -> str:
+        doc = self.store.get_document(doc_id) if doc_id else None
+        if doc is None:
+            return render.no_document()
+        problem, tokens, segments, estimate = "", None, None, None
+        try:
+            reading = self._open(doc, settings)
+            tokens, segments = len(reading.doc.token_ids), len(reading.segments)
+            estimate = self.estimate_seconds(tokens, segments, settings)
+        except DocumentTooLong as e:
+            problem = str(e)
+        except ValueError as e:
+            problem = str(e)
+        return render.document_html(doc["title"] or doc["name"], doc["kind"], doc["name"], doc["pages"],
+                                    doc["chars"], tokens, segments, settings.segment_tokens, estimate, problem)
+
+    # ------------------------------------------------------------------ sessions
+
+    def _session(self, owner: str, session_id: str | None) -> dict:
+        if not owner:
+            raise UserError("The page is still loading; please try again in a moment.")
+        session = self.store.get_session(session_id, owner) if session_id else None
+        if session is None:
+            raise UserError("No reading is open. Upload a document and press Read first.")
+        return session
+
+    def _segments_of(self, session: dict, doc: dict | None = None) -> list:
+        sid = session["id"]
+        with self._lock:
+            if sid in self._segments:
+                self._segments.move_to_end(sid)
+                return self._segments[sid]
+        doc = doc or self.store.get_document(session["document_id"])
+        try:
+            segments = self._open(doc, worker.settings_from(session["settings"])).segments
+        except ValueError:
+            segments = []
+        with self._lock:
+            self._segments[sid] = segments
+            while len(self._segments) > 32:
+                self._segments.popitem(last=False)
+        return segments
+
+    def sessions(self, owner: str) -> list[tuple[str, str]]:
+        """(label, id) for the owner's sessions, newest first."""
+        out = []
+        for s in self.store.list_sessions(owner) if owner else []:
+            status = self._status(s)
+            word = {"done": "read", "interrupted": "interrupted", "stopped": "stopped", "reading": "reading",
+                    "queued": "queued", "error": "failed", "idle": "new"}.get(status, status)
+            question = s["question"] or ""
+            question = question if len(question) <= 60 else question[:57] + "…"
+            label = (f"{s['title'] or s['document_name']} — “{question}” · {word} "
+                     f"{s['segments_read']}/{s['segments_total']} · {_date(s['created'])}")
+            out.append((label, s["id"]))
+        return out
+
+    def _status(self, session: dict) -> str:
+        """The panel status for a stored session, knowing what runs in this process."""
+        sid, status = session["id"], session["status"]
+        if sid in self._active:
+            return "answering" if self._active[sid] == "answer" else "reading"
+        if sid in self._waiting:
+            return "queued"
+        if status in ("reading", "new"):
+            return "interrupted"  # the app stopped (or crashed) while this was being read
+        if status in ("read", "answered"):
+            return "done" if session["segments_read"] >= session["segments_total"] else "stopped"
+        return {"stopped": "stopped", "error": "error"}.get(status, "idle")
+
+    def can_resume(self, session: dict) -> bool:
+        return (self._status(session) in ("stopped", "interrupted", "error")
+                and session["segments_read"] < session["segments_total"])
+
+    def _panel(self, session: dict, margins: list[dict], segments: list) -> Panel:
+        panel = Panel(session_id=session["id"], classifier=session["settings"].get("classifier", "llm"))
+        panel.segments = [SegmentInfo(s.index, s.tokens, s.pages) for s in segments]
+        for m in margins:
+            pages = (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
+            panel.cards[m["segment_index"]] = Card(m["segment_index"], pages, m["text"], m["verdict"], m["score"],
+                                                   m["mark"], done=True)
+            panel.read.add(m["segment_index"])
+        panel.status = self._status(session)
+        return panel
+
+    def _answer_views(self, session_id: str, margins: list[dict]) -> list[AnswerView]:
+        pages = {m["segment_index"]: (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
+                 for m in margins}
+        return [AnswerView(a["question"], a["text"], a["margins_used"], pages, True, seconds=a["seconds"])
+                for a in reversed(self.store.answers(session_id))]
+
+    def view(self, owner: str, session_id: str) -> dict:
+        """Everything the screen shows for one stored session."""
+        session = self._session(owner, session_id)
+        doc = self.store.get_document(session["document_id"])
+        margins = self.store.margins(session_id)
+        segments = self._segments_of(session, doc)
+        panel = self._panel(session, margins, segments)
+        answers = self._answer_views(session_id, margins)
+        if answers and answers[0].used:
+            panel.used = set(answers[0].used)
+        settings = worker.settings_from(session["settings"])
+        if segments:
+            last = max(panel.read) if panel.read else 0
+            seg = segments[min(last, len(segments) - 1)]
+            label = "Last read" if panel.read else "First segment"
+            segment = render.segment_html(doc["text"], seg.char_start, seg.char_end, seg.index, len(segments),
+                                          seg.pages, seg.tokens, label=label)
+        else:
+            segment = render.empty_segment()
+        notice = ""
+        if session["model"] and session["model"] != self.model:
+            notice = (f"This reading was made with {session['model']}; this app now runs {self.model}. "
+                      "You can look at it and export it, but Resume and Answer need a new reading.")
+        return {
+            "session_id": session_id, "document_id": session["document_id"],
+            "question": session["question"] or "", "settings": settings,
+            "document": self.document_html(session["document_id"], settings),
+            "panel": render.panel_html(panel), "answers": render.answers_html(answers), "segment": segment,
+            "resume": self.can_resume(session), "notice": notice,
+        }
+
+    def delete(self, owner: str, session_id: str) -> bool:
+        self._session(owner, session_id)
+        if session_id in self._active or session_id in self._waiting:
+            raise UserError("This reading is still running: stop it first.")
+        worker.forget(session_id)
+        return self.store.delete_session(session_id, owner)
+
+    def export(self, owner: str, session_id: str) -> list[str]:
+        session = self._session(owner, session_id)
+        folder = tempfile.mkdtemp(prefix="marginalia-export-")
+        stem = f"marginalia-{_slug(session['title'] or session['document_name'])}-{session_id[:8]}"
+        md = os.path.join(folder, stem + ".md")
+        js = os.path.join(folder, stem + ".json")
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(self.store.export_markdown(session_id, owner))
+        with open(js, "w", encoding="utf-8") as f:
+            json.dump(self.store.export_json(session_id, owner), f, ensure_ascii=False, indent=2)
+        return [md, js]
+
+    # ------------------------------------------------------------------ marks
+
+    def set_mark(self, owner: str, session_id: str, index: int, mark: bool | None) -> bool:
+        """The reader's verdict on one margin, saved at once. False if there is no such (finished) margin."""
+        self._session(owner, session_id)
+        saved = self.store.set_mark(session_id, int(index), mark)
+        if saved:
+            with self._lock:
+                self._marks.setdefault(session_id, {})[int(index)] = mark
+        return saved
+
+    # ------------------------------------------------------------------ the engine queue
+
+    def queue_position(self, session_id: str) -> int:
+        """How many engine jobs run or wait before this one."""
+        with self._lock:
+            ahead = self._waiting.index(session_id) if session_id in self._waiting else len(self._waiting)
+            return ahead + len(self._active)
+
+    def _enqueue(self, session_id: str) -> threading.Event:
+        """Note a job queued for this session. Jobs of one session share a stop flag, so Stop ends the
+        reading and an answer queued behind it; a flag already set (a job stopping) is not reused."""
+        with self._lock:
+            busy = session_id in self._active or session_id in self._waiting
+            stop = self._stops.get(session_id)
+            if stop is None or stop.is_set() or not busy:
+                stop = self._stops[session_id] = threading.Event()
+            self._waiting.append(session_id)
+            return stop
+
+    def _begin(self, session_id: str, kind: str) -> threading.Event:
+        with self._lock:
+            if session_id in self._waiting:
+                self._waiting.remove(session_id)
+            self._active[session_id] = kind
+            return self._stops.setdefault(session_id, threading.Event())
+
+    def _end(self, session_id: str) -> None:
+        with self._lock:
+            self._active.pop(session_id, None)
+
+    def stop(self, owner: str, session_id: str) -> bool:
+        """Ask the running (or queued) job of this session to stop; it ends within one forward pass."""
+        self._session(owner, session_id)
+        stop = self._stops.get(session_id)
+        if stop is None or (session_id not in self._active and session_id not in self._waiting):
+            return False
+        stop.set()
+        return True
+
+    # ------------------------------------------------------------------ reading
+
+    def start_read(self, owner: str, document_id: int | None, question: str, settings: Settings) -> str:
+        """Create the session for a new reading and queue it; returns its id. UserError if it can't start."""
+        if not owner:
+            raise UserError("The page is still loading; please try again in a moment.")
+        doc = self.store.get_document(document_id) if document_id else None
+        if doc is None:
+            raise UserError("Please upload a document first.")
+        question = (question or "").strip()
+        if not question:
+            raise UserError("Please type a question first: the margins are written with it in mind.")
+        try:
+            reading = self._open(doc, settings)
+        except ValueError as e:  # DocumentTooLong included
+            raise UserError(str(e)) from e
+        session_id = self.store.create_session(owner, document_id, question, self.model, settings.to_dict(),
+                                               len(reading.segments))
+        with self._lock:
+            self._segments[session_id] = reading.segments
+        self._enqueue(session_id)
+        return session_id
+
+    def start_resume(self, owner: str, session_id: str) -> str:
+        session = self._session(owner, session_id)
+        if session_id in self._active or session_id in self._waiting:
+            raise UserError("This reading is already running.")
+        if session["model"] and session["model"] != self.model:
+            raise UserError(f"This reading was made with {session['model']}; this app runs {self.model}. "
+                            "Start a new reading of the document instead.")
+        if session["segments_read"] >= session["segments_total"]:
+            raise UserError("This document has been read to the end already.")
+        self._enqueue(session_id)
+        return session_id
+
+    def waiting_panel(self, owner: str, session_id: str) -> str:
+        session = self._session(owner, session_id)
+        margins = self.store.margins(session_id)
+        panel = self._panel(session, margins, self._segments_of(session))
+        panel.status = "queued"
+        ahead = self.queue_position(session_id)
+        panel.message = ("Starting…" if ahead == 0 else
+                         f"Waiting for the reader: {ahead} job{'s' if ahead != 1 else ''} ahead of you.")
+        return render.panel_html(panel)
+
+    def read_stream(self, owner: str, session_id: str, resume: bool = False) -> Iterator[Update]:
+        """Read the session's document (or resume it), yielding screen updates as margins are written."""
+        session = self._session(owner, session_id)
+        doc = self.store.get_document(session["document_id"])
+        settings = worker.settings_from(session["settings"])
+        segments = self._segments_of(session, doc)
+        stop = self._begin(session_id, "read")
+        finished = False
+        try:
+            saved = self.store.margins(session_id) if resume else []
+            with self._lock:
+                self._marks[session_id] = {m["segment_index"]: m["mark"] for m in saved}
+            panel = self._panel(session, saved, segments)
+            panel.status, panel.message = "reading", ("Resuming…" if resume else "Starting…")
+            panel.read = set()  # re-filled as the engine goes through the document again
+            self.store.update_session(session_id, status="reading")
+            yield {"panel": render.panel_html(panel), "resume": False}
+            if stop.is_set():
+                self.store.update_session(session_id, status="stopped")
+                panel.status, panel.message = "stopped", ""
+                finished = True
+                yield {"panel": render.panel_html(panel), "resume": True, "sessions": True}
+                return
+            skip = {m["segment_index"]: m["text"] for m in saved}
+            job = {"kind": "read", "session_id": session_id, "text": doc["text"], "page_starts": doc["page_starts"],
+                   "settings": settings.to_dict(), "query": session["question"], "skip": skip}
+            yield from self._drive_read(job, panel, segments, doc, settings, stop, len(skip))
+            finished = True
+        except Exception as e:  # a bug or an engine failure: keep what was saved, say what happened
+            log.exception("reading session %s failed", session_id)
+            self.store.update_session(session_id, status="error")
+            finished = True
+            yield {"notice": render.notice_html(f"Reading failed: {e}. The margins written so far are saved; "
+                                                "you can Resume."), "resume": True, "sessions": True}
+        finally:
+            self._end(session_id)
+            if not finished:  # the client went away mid-reading: leave it resumable
+                stop.set()
+                try:
+                    self.store.update_session(session_id, status="stopped")
+                except Exception:
+                    log.exception("could not mark session %s stopped", session_id)
+
+    def _drive_read(self, job, panel: Panel, segments, doc, settings: Settings, stop, skipped: int):
+        sid = job["session_id"]
+        started = _now()
+        first_new_at = None
+        tokens = 0
+        new_done = 0
+        remaining_new = len(segments) - skipped
+        last_yield = 0.0
+        estimate = self.estimate_seconds(sum(s.tokens for s in segments), remaining_new, settings)
+
+        def refresh_eta():
+            elapsed = _now() - started
+            panel.tokens_per_s = tokens / elapsed if elapsed > 0.5 and tokens else None
+            if new_done and first_new_at is not None:
+                per = (_now() - first_new_at) / new_done
+                panel.eta_s = per * max(remaining_new - new_done, 0)
+            else:
+                panel.eta_s = max(estimate - elapsed, 0)
+
+        def marks():
+            with self._lock:
+                for i, mark in self._marks.get(sid, {}).items():
+                    if i in panel.cards:
+                        panel.cards[i].mark = mark
+
+        for ev in worker.run(job, stop):
+            if isinstance(ev, SegmentRead):
+                tokens += ev.tokens
+                panel.read.add(ev.index)
+                panel.current = ev.index
+                seg = segments[ev.index]
+                if ev.index not in job["skip"]:
+                    first_new_at = first_new_at or _now()
+                    panel.message = f"Writing the margin for segment {ev.index + 1} of {len(segments)}…"
+                    panel.cards[ev.index] = Card(ev.index, seg.pages)
+                else:
+                    panel.message = f"Re-reading segment {ev.index + 1} of {len(segments)} (margin kept)…"
+                refresh_eta()
+                marks()
+                last_yield = _now()
+                yield {"panel": render.panel_html(panel),
+                       "segment": render.segment_html(doc["text"], seg.char_start, seg.char_end, seg.index,
+                                                      len(segments), seg.pages, seg.tokens)}
+            elif isinstance(ev, MarginToken):
+                tokens += 1
+                card = panel.cards.setdefault(ev.index, Card(ev.index, segments[ev.index].pages))
+                card.text += ev.text
+                if _now() - last_yield >= 0.1:
+                    refresh_eta()
+                    marks()
+                    last_yield = _now()
+                    yield {"panel": render.panel_html(panel)}
+            elif isinstance(ev, Margin):
+                seg = segments[ev.index]
+                pages = seg.pages or (None, None)
+                self.store.save_margin(sid, ev.index, ev.text, ev.relevant, ev.score, seg.char_start, seg.char_end,
+                                       pages[0], pages[1], ev.tokens, ev.seconds)
+                card = panel.cards.setdefault(ev.index, Card(ev.index, seg.pages))
+                card.text, card.verdict, card.score, card.done = ev.text, ev.relevant, ev.score, True
+                new_done += 1
+                update = {}
+                if ev.index + 1 < len(segments):  # the engine goes straight on to the next segment
+                    nxt = segments[ev.index + 1]
+                    panel.current = nxt.index
+                    panel.message = f"Reading segment {nxt.index + 1} of {len(segments)}…"
+                    update["segment"] = render.segment_html(doc["text"], nxt.char_start, nxt.char_end, nxt.index,
+                                                            len(segments), nxt.pages, nxt.tokens)
+                refresh_eta()
+                marks()
+                last_yield = _now()
+                yield {"panel": render.panel_html(panel), **update}
+            elif isinstance(ev, Notice):
+                yield {"notice": render.notice_html(ev.text, "info")}
+            elif isinstance(ev, Stats):
+                # A margin cut short by Stop was never saved: drop its card.
+                for i in [i for i, c in panel.cards.items() if not c.done]:
+                    del panel.cards[i]
+                panel.current = None
+                marks()
+                if ev.stopped:
+                    status, panel.status = "stopped", "stopped"
+                else:
+                    self._learn_rates(ev)
+                    complete = all(i in panel.cards for i in range(len(segments)))
+                    status, panel.status = ("read", "done") if complete else ("stopped", "stopped")
+                self.store.update_session(sid, status=status)
+                panel.message, panel.eta_s = "", None
+                yield {"panel": render.panel_html(panel), "resume": panel.status != "done", "sessions": True}
+
+    # ------------------------------------------------------------------ answering
+
+    def start_answer(self, owner: str, session_id: str | None, question: str) -> dict:
+        session = self._session(owner, session_id)
+        if session["model"] and session["model"] != self.model:
+            raise UserError(f"This reading was made with {session['model']}; this app runs {self.model}. "
+                            "Start a new reading of the document to ask about it.")
+        if session_id in self._active or session_id in self._waiting:
+            pass  # queued behind the reading: the answer uses the margins saved by then
+        elif not self.store.margins(session_id):
+            raise UserError("There are no margins yet: press Read (or Resume) first.")
+        question = (question or "").strip() or session["question"]
+        self._enqueue(session_id)
+        return {"session_id": session_id, "question": question}
+
+    def answer_stream(self, owner: str, session_id: str, question: str) -> Iterator[Update]:
+        session = self._session(owner, session_id)
+        doc = self.store.get_document(session["document_id"])
+        settings = worker.settings_from(session["settings"])
+        stop = self._begin(session_id, "answer")
+        try:
+            margins = self.store.margins(session_id)
+            history = self._answer_views(session_id, margins)
+            if not margins:
+                yield {"notice": render.notice_html("There are no margins yet: press Read (or Resume) first."),
+                       "answers": render.answers_html(history)}
+                return
+            pages = {m["segment_index"]: (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
+                     for m in margins}
+            selection = {m["segment_index"]: m["text"] for m in margins if m["text"] and m["effective"] is not False}
+            current = AnswerView(question, pages=pages, done=False)
+            yield {"answers": render.answers_html([current, *history]), "notice": ""}
+            job = {"kind": "answer", "session_id": session_id, "text": doc["text"],
+                   "page_starts": doc["page_starts"], "settings": settings.to_dict(), "query": session["question"],
+                   "question": question, "skip": {m["segment_index"]: m["text"] for m in margins},
+                   "last": max(m["segment_index"] for m in margins), "selection": selection}
+            started, last_yield = _now(), 0.0
+            for ev in worker.run(job, stop):
+                if isinstance(ev, SegmentRead):
+                    current.note = (f"Loading the document into memory first (segment {ev.index + 1} of "
+                                    f"{job['last'] + 1})…")
+                    yield {"answers": render.answers_html([current, *history])}
+                elif isinstance(ev, AnswerToken):
+                    current.note = ""
+                    current.text += ev.text
+                    if _now() - last_yield >= 0.1:
+                        last_yield = _now()
+                        yield {"answers": render.answers_html([current, *history])}
+                elif isinstance(ev, Notice):
+                    current.note = ev.text
+                elif isinstance(ev, Answer):
+                    current.text, current.used, current.done = ev.text, list(ev.margins_used), True
+                    current.seconds = _now() - started
+                    self.store.save_answer(session_id, question, ev.text, current.used, round(current.seconds, 3))
+                    if session["status"] in ("read", "answered") or session["segments_read"] >= session["segments_total"]:
+                        self.store.update_session(session_id, status="answered")
+                elif isinstance(ev, Stats) and ev.stopped:
+                    current.done = True
+                    current.note = "Stopped before the answer was finished; nothing was saved."
+            session = self.store.get_session(session_id, owner)
+            panel = self._panel(session, self.store.margins(session_id), self._segments_of(session, doc))
+            panel.used = set(current.used) if current.done and current.text else set()
+            yield {"answers": render.answers_html([current, *history]), "panel": render.panel_html(panel),
+                   "sessions": True, "resume": self.can_resume(session)}
+        except Exception as e:
+            log.exception("answering in session %s failed", session_id)
+            yield {"notice": render.notice_html(f"Answering failed: {e}")}
+        finally:
+            self._end(session_id)

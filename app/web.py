@@ -1,0 +1,374 @@
+"""Marginalia's screen, in Gradio 6. The logic lives in app/service.py; this module lays out components and
+wires events to it.
+
+Events that run the model (read, resume, answer, and the API's read/answer) share one concurrency group,
+"engine", limited to 1: there is one engine worker and everything else queues for it (Gradio tells a
+waiting browser its place in the queue). Each of them is split in two: a quick step that validates,
+creates or checks the session and sets up its stop flag (so Stop works even while the job is queued),
+then the engine step. Stop sets the session's threading.Event, which the engine checks before every
+forward pass; Gradio's `cancels=` would only act between two yields.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+
+import gradio as gr
+
+from . import render
+from .service import Service, UserError
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+ENGINE = "engine"  # the concurrency group of everything that runs the model
+BROWSER_KEY = "marginalia-browser"
+CLASSIFIERS = [("LLM (the reading model says yes/no)", "llm"), ("Embedding similarity (MiniLM)", "embedding"),
+               ("None (keep every margin)", "none")]
+
+
+def static_text(name: str) -> str:
+    return (STATIC / name).read_text(encoding="utf-8")
+
+
+def theme() -> gr.themes.Base:
+    # System fonts only: the app must not fetch fonts from the network (it runs offline on a desktop).
+    return gr.themes.Soft(primary_hue="indigo", neutral_hue="stone",
+                          font=["Inter", "ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "sans-serif"],
+                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"])
+
+
+def launch_kwargs() -> dict:
+    """What goes to launch() in Gradio 6 (not to Blocks())."""
+    return {"theme": theme(), "css": static_text("marginalia.css")}
+
+
+def build(service: Service, secret: str, startup: dict | None = None) -> gr.Blocks:
+    info = service.engine.lm.info
+    d = service.defaults
+    with gr.Blocks(title="Marginalia") as demo:
+        browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
+        session_state = gr.State(None)   # the open session's id
+        doc_state = gr.State(None)       # the document a new Read would read
+        job_state = gr.State(None)       # what the engine step should do: {"kind", "session_id", ...}
+
+        gr.HTML(render.header_html(info), js_on_load=None, elem_id="mg-header")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=360):
+                upload = gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
+                                 height=120)
+                doc_info = gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info")
+                notice = gr.HTML("", js_on_load=None, elem_id="notice")
+                question = gr.Textbox(label="Question", lines=2, max_lines=6, elem_id="question",
+                                      placeholder="What do you want to know from this document?")
+                with gr.Row(elem_id="read-row"):
+                    read_btn = gr.Button("Read", variant="primary", elem_id="read-btn", scale=2)
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", scale=1)
+                    resume_btn = gr.Button("Resume", variant="secondary", elem_id="resume-btn", scale=1,
+                                           visible=False)
+                with gr.Accordion("Settings", open=False, elem_id="settings"):
+                    seg_size = gr.Slider(64, 2048, value=d.segment_tokens, step=16, label="Segment size (tokens)",
+                                         info="How much text the model reads before writing a margin note.",
+                                         elem_id="segment-tokens")
+                    margin_len = gr.Slider(8, 256, value=d.margin_tokens, step=8, label="Margin length (tokens)",
+                                           info="The longest margin note.", elem_id="margin-tokens")
+                    answer_len = gr.Slider(16, 512, value=d.answer_tokens, step=16, label="Answer length (tokens)",
+                                           elem_id="answer-tokens")
+                    classifier = gr.Radio(CLASSIFIERS, value=d.classifier, label="Relevance classifier",
+                                          info="Decides which margins look relevant; you can flip any of them.",
+                                          elem_id="classifier")
+                    gr.HTML(render.model_info_html(info, service.rates), js_on_load=None, elem_id="model-info")
+                with gr.Accordion("Your sessions", open=True, elem_id="sessions-box"):
+                    sessions = gr.Dropdown(choices=[], value=None, label="Reopen an earlier reading",
+                                           elem_id="sessions", interactive=True)
+                    with gr.Row():
+                        delete_btn = gr.Button("Delete this session", size="sm", variant="secondary",
+                                               elem_id="delete-btn")
+                segment_view = gr.HTML(render.empty_segment(), js_on_load=static_text("segment.js"),
+                                       elem_id="segment-view")
+            with gr.Column(scale=7, min_width=420):
+                panel = gr.HTML(render.empty_panel(), js_on_load=static_text("panel.js"), elem_id="margin-panel")
+                with gr.Row(elem_id="answer-row"):
+                    answer_btn = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
+                    export_btn = gr.Button("Export (Markdown + JSON)", elem_id="export-btn", scale=1)
+                answers = gr.HTML(render.answers_html([]), js_on_load=None, elem_id="answers")
+                downloads = gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
+                                    elem_id="downloads")
+
+        settings_inputs = [seg_size, margin_len, answer_len, classifier]
+        view_outputs = [session_state, doc_state, doc_info, question, seg_size, margin_len, answer_len, classifier,
+                        panel, answers, segment_view, resume_btn, notice]
+
+        # ---------------------------------------------------------- helpers
+
+        def blank_view():
+            return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                    render.empty_panel(), render.answers_html([]), render.empty_segment(),
+                    gr.update(visible=False), "")
+
+        def view_values(v: dict):
+            s = v["settings"]
+            return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
+                    s.margin_tokens, s.answer_tokens, s.classifier, v["panel"], v["answers"], v["segment"],
+                    gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "")
+
+        def session_choices(owner, selected=None):
+            return gr.update(choices=service.sessions(owner), value=selected)
+
+        def stream_outputs(update: dict, owner: str, session_id: str | None):
+            return (update.get("panel", gr.skip()), update.get("segment", gr.skip()),
+                    session_choices(owner, session_id) if update.get("sessions") else gr.skip(),
+                    gr.update(visible=update["resume"]) if "resume" in update else gr.skip(),
+                    update.get("notice", gr.skip()))
+
+        # ---------------------------------------------------------- page load and sessions
+
+        def on_load(owner):
+            owner = owner or uuid.uuid4().hex
+            choices = service.sessions(owner)
+            if not choices:
+                return (owner, gr.update(choices=[], value=None), *blank_view())
+            newest = choices[0][1]
+            return (owner, gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
+
+        demo.load(on_load, inputs=[browser], outputs=[browser, sessions, *view_outputs], api_visibility="private",
+                  show_progress="hidden")
+
+        def on_open(owner, session_id):
+            if not session_id:
+                return tuple(gr.skip() for _ in view_outputs)
+            try:
+                return view_values(service.view(owner, session_id))
+            except UserError as e:
+                return (*(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
+
+        sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
+                       concurrency_limit=None, show_progress="hidden")
+
+        def on_delete(owner, session_id):
+            try:
+                if not session_id:
+                    raise UserError("No session is open.")
+                service.delete(owner, session_id)
+            except UserError as e:
+                return (gr.skip(), *(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
+            choices = service.sessions(owner)
+            if not choices:
+                return (gr.update(choices=[], value=None), *blank_view())
+            newest = choices[0][1]
+            return (gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
+
+        delete_btn.click(on_delete, inputs=[browser, session_state], outputs=[sessions, *view_outputs],
+                         api_visibility="private", concurrency_limit=None, show_progress="hidden")
+
+        # ---------------------------------------------------------- the document
+
+        def on_upload(owner, path, *settings):
+            try:
+                doc_id = service.add_upload(path)
+                return doc_id, service.document_html(doc_id, service.settings(*settings)), ""
+            except UserError as e:
+                return None, render.no_document(), render.notice_html(str(e))
+
+        upload.upload(on_upload, inputs=[browser, upload, *settings_inputs], outputs=[doc_state, doc_info, notice],
+                      api_visibility="private", concurrency_limit=4)
+
+        def on_settings(doc_id, *settings):
+            try:
+                return service.document_html(doc_id, service.settings(*settings)), ""
+            except UserError as e:
+                return gr.skip(), render.notice_html(str(e))
+
+        for control in (seg_size, margin_len):
+            control.release(on_settings, inputs=[doc_state, *settings_inputs], outputs=[doc_info, notice],
+                            api_visibility="private", show_progress="hidden")
+        classifier.input(on_settings, inputs=[doc_state, *settings_inputs], outputs=[doc_info, notice],
+                         api_visibility="private", show_progress="hidden")
+
+        # ---------------------------------------------------------- read, resume, stop
+
+        def on_read(owner, doc_id, text, *settings):
+            try:
+                session_id = service.start_read(owner, doc_id, text, service.settings(*settings))
+            except UserError as e:
+                return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)),
+                        gr.skip())
+            job = {"kind": "read", "session_id": session_id}
+            return (job, session_id, service.waiting_panel(owner, session_id), render.answers_html([]),
+                    render.empty_segment(), session_choices(owner, session_id), "", gr.update(visible=False))
+
+        def on_resume(owner, session_id):
+            try:
+                service.start_resume(owner, session_id)
+            except UserError as e:
+                return None, gr.skip(), render.notice_html(str(e)), gr.skip()
+            return ({"kind": "resume", "session_id": session_id}, service.waiting_panel(owner, session_id), "",
+                    gr.update(visible=False))
+
+        def read_job(owner, job):
+            if not job or job.get("kind") not in ("read", "resume"):
+                yield tuple(gr.skip() for _ in range(5))
+                return
+            sid = job["session_id"]
+            try:
+                for update in service.read_stream(owner, sid, resume=job["kind"] == "resume"):
+                    yield stream_outputs(update, owner, sid)
+            except UserError as e:
+                yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
+
+        stream_out = [panel, segment_view, sessions, resume_btn, notice]
+        read_btn.click(on_read, inputs=[browser, doc_state, question, *settings_inputs],
+                       outputs=[job_state, session_state, panel, answers, segment_view, sessions, notice, resume_btn],
+                       api_visibility="private", concurrency_limit=None, show_progress="hidden"
+                       ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
+                                 concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                 show_progress_on=[panel])
+        resume_btn.click(on_resume, inputs=[browser, session_state], outputs=[job_state, panel, notice, resume_btn],
+                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
+                         ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
+                                   concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                   show_progress_on=[panel])
+
+        def on_stop(owner, session_id):
+            try:
+                if not session_id or not service.stop(owner, session_id):
+                    return render.notice_html("Nothing is running.", "info")
+            except UserError as e:
+                return render.notice_html(str(e))
+            return ""
+
+        stop_btn.click(on_stop, inputs=[browser, session_state], outputs=[notice], api_visibility="private",
+                       concurrency_limit=None, concurrency_id="stop", show_progress="hidden")
+
+        # ---------------------------------------------------------- marks
+
+        def on_flip(owner, evt: gr.EventData):
+            data = getattr(evt, "_data", None) or {}
+            try:
+                index, mark, session_id = int(data["index"]), bool(data["mark"]), str(data["session"])
+            except (KeyError, TypeError, ValueError):
+                return
+            try:
+                if not service.set_mark(owner, session_id, index, mark):
+                    gr.Warning("That margin isn't finished yet, so it can't be marked.")
+            except UserError as e:
+                gr.Warning(str(e))
+
+        panel.click(on_flip, inputs=[browser], outputs=None, api_visibility="private", concurrency_limit=1,
+                    concurrency_id="marks", trigger_mode="multiple", show_progress="hidden")
+
+        # ---------------------------------------------------------- answer and export
+
+        def on_answer(owner, session_id, text):
+            try:
+                job = service.start_answer(owner, session_id, text)
+            except UserError as e:
+                return None, render.notice_html(str(e))
+            return {"kind": "answer", **job}, ""
+
+        def answer_job(owner, job):
+            if not job or job.get("kind") != "answer":
+                yield tuple(gr.skip() for _ in range(5))
+                return
+            sid = job["session_id"]
+            try:
+                for u in service.answer_stream(owner, sid, job["question"]):
+                    yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
+                           session_choices(owner, sid) if u.get("sessions") else gr.skip(),
+                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
+            except UserError as e:
+                yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
+
+        answer_btn.click(on_answer, inputs=[browser, session_state, question], outputs=[job_state, notice],
+                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
+                         ).success(answer_job, inputs=[browser, job_state],
+                                   outputs=[answers, panel, sessions, resume_btn, notice], api_visibility="private",
+                                   concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                   show_progress_on=[answers])
+
+        def on_export(owner, session_id):
+            try:
+                return gr.update(value=service.export(owner, session_id), visible=True), ""
+            except UserError as e:
+                return gr.skip(), render.notice_html(str(e))
+
+        export_btn.click(on_export, inputs=[browser, session_state], outputs=[downloads, notice],
+                         api_visibility="private", concurrency_limit=None, show_progress="hidden")
+
+        # ---------------------------------------------------------- the API (gradio_client)
+        add_api(service)
+    return demo
+
+
+def add_api(service: Service) -> None:
+    """/read and /answer for gradio_client. `owner` is any string the client keeps (sessions created with it
+    belong to it); left empty, /read makes one up and returns it."""
+    with gr.Column(visible=False):
+        a_file = gr.File(label="document", type="filepath")
+        a_question = gr.Textbox(label="question")
+        a_seg = gr.Number(label="segment_tokens", value=service.defaults.segment_tokens, precision=0)
+        a_margin = gr.Number(label="margin_tokens", value=service.defaults.margin_tokens, precision=0)
+        a_answer = gr.Number(label="answer_tokens", value=service.defaults.answer_tokens, precision=0)
+        a_clf = gr.Textbox(label="classifier", value=service.defaults.classifier)
+        a_owner = gr.Textbox(label="owner", value="")
+        a_session = gr.Textbox(label="session_id", value="")
+        a_out = gr.JSON(label="result")
+        a_read = gr.Button("read")
+        a_ask = gr.Button("answer")
+
+    def session_summary(owner: str, session_id: str) -> dict:
+        s = service.store.get_session(session_id, owner)
+        return {
+            "session_id": session_id, "owner": owner, "status": s["status"], "question": s["question"],
+            "segments_total": s["segments_total"], "segments_read": s["segments_read"],
+            "margins": [{"segment": m["segment_index"], "pages": [m["page_start"], m["page_end"]]
+                         if m["page_start"] is not None else None, "text": m["text"], "relevant": m["verdict"],
+                         "score": m["score"], "mark": m["mark"]} for m in service.store.margins(session_id)],
+        }
+
+    def api_read(path, question, segment_tokens, margin_tokens, answer_tokens, classifier, owner):
+        """Read a document with a question: writes a margin note per segment. Streams progress; the last
+        result has every margin. Returns {session_id, owner, status, margins: [...]}."""
+        owner = (owner or "").strip() or f"api-{uuid.uuid4().hex}"
+        try:
+            doc_id = service.add_upload(path)
+            settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier)
+            session_id = service.start_read(owner, doc_id, question, settings)
+            seen = 0
+            for update in service.read_stream(owner, session_id):
+                if "segment" in update or "sessions" in update:
+                    summary = session_summary(owner, session_id)
+                    if summary["segments_read"] != seen or "sessions" in update:
+                        seen = summary["segments_read"]
+                        yield summary
+        except UserError as e:
+            raise gr.Error(str(e)) from e
+
+    def api_answer(owner, session_id, question):
+        """Answer a question about a session read before, from the margins kept (the reader's marks, else the
+        classifier's verdicts). Returns {session_id, question, answer, margins_used (segment indexes, from 0)}."""
+        try:
+            job = service.start_answer(owner, session_id, question)
+            for update in service.answer_stream(owner, session_id, job["question"]):
+                if "notice" in update and update["notice"] and "answers" not in update:
+                    raise UserError(_plain(update["notice"]))
+            answers = service.store.answers(session_id)
+            if not answers or answers[-1]["question"] != job["question"]:
+                raise UserError("No answer was written.")
+            a = answers[-1]
+            return {"session_id": session_id, "question": a["question"], "answer": a["text"],
+                    "margins_used": a["margins_used"], "seconds": a["seconds"]}
+        except UserError as e:
+            raise gr.Error(str(e)) from e
+
+    a_read.click(api_read, inputs=[a_file, a_question, a_seg, a_margin, a_answer, a_clf, a_owner], outputs=a_out,
+                 api_name="read", concurrency_limit=1, concurrency_id=ENGINE)
+    a_ask.click(api_answer, inputs=[a_owner, a_session, a_question], outputs=a_out, api_name="answer",
+                concurrency_limit=1, concurrency_id=ENGINE)
+
+
+def _plain(html_text: str) -> str:
+    import html as _html
+    import re
+    return _html.unescape(re.sub(r"<[^>]+>", "", html_text or "")).strip()

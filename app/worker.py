@@ -1,0 +1,154 @@
+"""The engine worker: the only code that runs the model.
+
+`engine_job(job, stop)` takes plain data (a dict of str/int/list/dict) and yields the engine's events. On a
+Hugging Face ZeroGPU Space it is wrapped by `spaces.GPU`, which runs it in another process with a GPU
+attached: so it touches neither the database nor the Gradio session, its arguments and events must
+pickle, and a threading.Event cannot be passed in (the caller stops consuming instead; see `run`).
+Everywhere else `spaces.GPU` is a no-op and the stop flag reaches the engine, which checks it before
+every forward pass.
+
+Readings (a document in a KV cache) are kept in a small LRU keyed by session id, so a follow-up question
+on the same document reuses the cache instead of reading the document again. Each cache holds the
+model's whole context window (~380 MB for SmolLM2-135M), hence at most two.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import Iterator
+
+from engine.events import Event, SegmentRead, Stats
+from engine.wim import Engine, Reading, Settings
+
+try:  # the `spaces` package is a no-op off Hugging Face Spaces
+    import spaces
+except Exception:  # pragma: no cover - optional dependency
+    spaces = None
+
+log = logging.getLogger(__name__)
+
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+MAX_READINGS = 2
+
+_engine: Engine | None = None
+_readings: "OrderedDict[str, tuple[str, Reading]]" = OrderedDict()
+_readings_lock = threading.Lock()
+
+
+def set_engine(engine: Engine) -> None:
+    global _engine
+    _engine = engine
+    clear()
+
+
+def clear() -> None:
+    with _readings_lock:
+        _readings.clear()
+
+
+def cached_sessions() -> list[str]:
+    with _readings_lock:
+        return list(_readings)
+
+
+def forget(session_id: str) -> None:
+    with _readings_lock:
+        _readings.pop(session_id, None)
+
+
+def signature(text: str, settings: dict, page_starts, model: str) -> str:
+    """What a Reading depends on: the same signature means the same segments and the same cache."""
+    blob = json.dumps([hashlib.sha256(text.encode()).hexdigest(), settings, page_starts, model], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def settings_from(d: dict) -> Settings:
+    fields = Settings.__dataclass_fields__
+    return Settings(**{k: v for k, v in (d or {}).items() if k in fields})
+
+
+def _reading(job: dict) -> Reading:
+    sig = signature(job["text"], job["settings"], job["page_starts"], _engine.lm.name)
+    sid = job["session_id"]
+    with _readings_lock:
+        hit = _readings.get(sid)
+        if hit and hit[0] == sig:
+            _readings.move_to_end(sid)
+            return hit[1]
+        _readings.pop(sid, None)
+        while len(_readings) >= MAX_READINGS:
+            old, _ = _readings.popitem(last=False)
+            log.info("dropping the cached reading of session %s", old)
+    reading = _engine.open(job["text"], settings_from(job["settings"]), job["page_starts"])
+    with _readings_lock:
+        _readings[sid] = (sig, reading)
+    return reading
+
+
+def _gpu_seconds(job: dict, stop=None) -> int:
+    """ZeroGPU asks for a duration up front: a generous guess from the amount of work."""
+    tokens = len(job.get("text", "")) // 4
+    margins = tokens // max(int(job["settings"].get("segment_tokens", 1024)), 32) + 1
+    work = tokens / 2000 + margins * int(job["settings"].get("margin_tokens", 96)) / 30
+    return int(min(300, max(60, 20 + work)))
+
+
+def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event]:
+    """job["kind"] == "read": read the document (skipping job["skip"] margins) and write margins.
+    job["kind"] == "answer": make sure segments 0..job["last"] are in the cache (re-reading them without
+    writing margins if this process has not got them, e.g. after a restart), then answer from
+    job["selection"] (segment index -> margin text)."""
+    if _engine is None:
+        raise RuntimeError("the engine is not loaded")
+    reading = _reading(job)
+    try:
+        if job["kind"] == "read":
+            skip = {int(k): v for k, v in (job.get("skip") or {}).items()}
+            yield from reading.read(job["query"], stop, skip=skip)
+            return
+        last = int(job["last"])
+        if not reading.read_segments or max(reading.read_segments) < last:
+            skip = {i: "" for i in range(last + 1)}
+            skip.update({int(k): v for k, v in (job.get("skip") or {}).items()})
+            events = reading.read(job["query"], stop, skip=skip)
+            try:
+                for ev in events:
+                    if isinstance(ev, Stats):
+                        if ev.stopped:
+                            yield ev
+                            return
+                        break
+                    if isinstance(ev, SegmentRead):
+                        yield ev
+                        if ev.index >= last:
+                            break
+            finally:
+                events.close()
+        selection = {int(k): v for k, v in (job.get("selection") or {}).items()}
+        yield from reading.answer(job["question"], margins=selection, stop=stop)
+    except BaseException:
+        forget(job["session_id"])  # a cache left half-written is not worth keeping
+        raise
+
+
+if spaces is not None:
+    engine_job = spaces.GPU(duration=_gpu_seconds)(engine_job)
+
+
+def run(job: dict, stop: threading.Event) -> Iterator[Event]:
+    """Drive engine_job for a request handler. Off ZeroGPU the engine sees `stop` itself (a Stop takes
+    effect within one forward pass); on ZeroGPU the job runs in another process, so the handler stops
+    taking events and closes the generator instead."""
+    events = engine_job(job, None if ZERO_GPU else stop)
+    try:
+        for ev in events:
+            yield ev
+            if ZERO_GPU and stop.is_set():
+                yield Stats(0, 0, 0.0, 0.0, 0, phase=job["kind"], stopped=True)
+                return
+    finally:
+        events.close()

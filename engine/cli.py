@@ -1,0 +1,139 @@
+"""`python -m engine read PATH --query ...`: read a text with WiM (or a baseline) from the command line.
+
+Default output is for people: a progress bar with tokens/s and ETA, each margin as it is written, the answer.
+`--jsonl` is for programs: one JSON event per line on stdout and nothing else (logs go to stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .classify import CLASSIFIERS
+from .wim import MODES, DocumentTooLong, Engine, Settings
+
+
+def load_input(path: Path, query: str | None) -> tuple[str, str, str | None]:
+    """(text, query, expected answer). `.json` in BABILong form supplies its own query and target."""
+    if path.suffix.lower() == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or "context" not in data:
+            raise ValueError(f"{path}: expected a JSON object with 'context' (and 'query', 'target')")
+        q = query or data.get("query")
+        if not q:
+            raise ValueError(f"{path} has no 'query'; pass --query")
+        return data["context"], q.strip(), data.get("target")
+    if not query:
+        raise ValueError("--query is required for a text file")
+    return path.read_text(encoding="utf-8", errors="replace"), query, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    read = sub.add_parser("read", help="read a document and answer a question")
+    read.add_argument("path", type=Path, help=".txt, or .json in BABILong form {context, query, target}")
+    read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
+    read.add_argument("--mode", choices=MODES, default="wim")
+    read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
+                      help="`embedded`, a local directory or a Hugging Face hub id")
+    read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
+    read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
+    read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
+    read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier)
+    read.add_argument("--context-limit", type=int, default=None, help="tokens the KV cache may hold")
+    read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    read.add_argument("--device", default="auto")
+    read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
+    return parser
+
+
+class HumanOutput:
+    """Progress bar (rich) plus margins and answer as they stream."""
+
+    def __init__(self, total: int):
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+        self.console = Console(stderr=False, highlight=False)
+        self.progress = Progress(TextColumn("[bold]reading"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+        self.task = self.progress.add_task("read", total=total, tps="-")
+        self.progress.start()
+        self.tokens, self.started = 0, time.perf_counter()
+        self.answer_started = False
+
+    def __call__(self, ev) -> None:
+        if ev.kind == "segment":
+            self.tokens += ev.tokens
+            tps = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.progress.update(self.task, completed=ev.index + 1, tps=f"{tps:,.0f}")
+        elif ev.kind == "window":
+            self.progress.console.print(f"[yellow]window {ev.window + 1} from segment {ev.first_segment + 1}: "
+                                        f"earlier text is now held only in {ev.carried_margins} margin(s)")
+        elif ev.kind == "margin":
+            verdict = {True: "[green]relevant", False: "[dim]irrelevant", None: ""}[ev.relevant]
+            score = f" ({ev.score:.2f})" if ev.score is not None else ""
+            pages = f" p.{ev.pages[0]}-{ev.pages[1]}" if ev.pages else ""
+            self.progress.console.print(f"[bold]margin {ev.index + 1}[/]{pages} {verdict}{score}[/]: {ev.text}")
+        elif ev.kind == "notice":
+            self.progress.console.print(f"[yellow]{ev.text}")
+        elif ev.kind == "answer_token":
+            if not self.answer_started:
+                self.progress.stop()
+                self.console.print("[bold]answer:[/] ", end="")
+                self.answer_started = True
+            self.console.print(ev.text, end="", markup=False)
+        elif ev.kind == "answer":
+            self.console.print()
+        elif ev.kind == "stats":
+            if ev.phase == "read":
+                self.progress.stop()
+            self.console.print(
+                f"[dim]{ev.phase}: {ev.prefill_tokens:,} prefill + {ev.decode_tokens:,} decode tokens in "
+                f"{ev.seconds:.1f} s ({ev.tokens_per_s:,.1f} tok/s), peak memory {ev.peak_memory / 2**20:,.0f} MiB"
+                f"{', stopped' if ev.stopped else ''}")
+
+
+def cmd_read(args) -> int:
+    text, query, target = load_input(args.path, args.query)
+    settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
+                        answer_tokens=args.answer_tokens, classifier=args.classifier,
+                        temperature=args.temperature, context_limit=args.context_limit).validate()
+    engine = Engine.load(args.model, args.device, args.dtype)
+    logging.getLogger("marginalia").info("model %s", engine.lm.info)
+    reading = engine.open(text, settings)
+    out = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \
+        else HumanOutput(len(reading.segments))
+    stop = threading.Event()
+    try:
+        for ev in reading.read(query, stop):
+            out(ev)
+        for ev in reading.answer(query, stop=stop):
+            out(ev)
+    except KeyboardInterrupt:
+        stop.set()
+        return 130
+    if target and not args.jsonl:
+        print(f"expected: {target}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    # Keep library chatter (load bars, warnings) off stdout so --jsonl stays machine-readable.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        return cmd_read(args)
+    except (DocumentTooLong, ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,137 @@
+"""The WiM loop end to end on the real model: events, accounting, stop, follow-ups, baselines."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from engine import Answer, DocumentTooLong, Margin, MarginToken, SegmentRead, Settings, Stats
+from tests.conftest import ROOT, shared
+
+
+def _chapter(n_chars: int = 6000) -> str:
+    text = shared("books", "pg11.txt").read_text(encoding="utf-8")
+    start = text.index("CHAPTER I.\nDown the Rabbit-Hole")
+    return text[start:start + n_chars]
+
+
+SMALL = Settings(segment_tokens=300, margin_tokens=16, answer_tokens=16, classifier="embedding")
+
+
+def test_babilong_8k_end_to_end(engine):
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    reading = engine.open(data["context"], Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=24))
+    events = list(reading.read(data["query"])) + list(reading.answer(data["query"]))
+    segments = [e for e in events if isinstance(e, SegmentRead)]
+    margins = [e for e in events if isinstance(e, Margin)]
+    answers = [e for e in events if isinstance(e, Answer)]
+    stats = [e for e in events if isinstance(e, Stats)]
+    n = len(reading.segments)
+    assert n >= 7
+    assert [s.index for s in segments] == [m.index for m in margins] == list(range(n))
+    assert len(answers) == 1 and answers[0].text
+    # Every margin event follows its segment event and its streamed tokens add up to its text.
+    order = [(type(e).__name__, getattr(e, "index", None)) for e in events
+             if isinstance(e, (SegmentRead, Margin))]
+    assert order == [x for i in range(n) for x in (("SegmentRead", i), ("Margin", i))]
+    for m in margins:
+        streamed = "".join(e.text for e in events if isinstance(e, MarginToken) and e.index == m.index)
+        assert streamed.strip() == m.text and 0 < m.tokens <= 48
+        assert isinstance(m.relevant, bool) and 0.0 <= m.score <= 1.0
+    # Token accounting: the document is prefilled once; each margin adds its instruction; the llm classifier
+    # reads (query, margin) in its own scratch cache.
+    read, answer = stats
+    layout = engine.layout
+    margin_suffix = len(layout.suffix("margin", query=data["query"].strip()))
+    classify = sum(len(layout.standalone("classify", query=data["query"].strip(), margin=m.text)) for m in margins)
+    assert read.prefill_tokens == len(layout.prefix) + len(reading.doc.token_ids) + n * margin_suffix + classify
+    assert read.decode_tokens == sum(m.tokens for m in margins)
+    assert read.phase == "read" and answer.phase == "answer" and read.cache == "preallocated"
+    assert read.seconds > 0 and read.tokens_per_s > 0 and read.peak_memory > 0
+    # The answer step prefills only the instruction (margins + question): never the document again.
+    assert answer.prefill_tokens < 600
+    assert reading.cache.length == reading.doc_end
+
+
+def test_stop_mid_margin_ends_within_one_forward(engine):
+    reading = engine.open(_chapter(), SMALL)
+    stop = threading.Event()
+    events, after_stop = [], []
+    for ev in reading.read("Where does Alice fall?", stop):
+        (after_stop if stop.is_set() else events).append(ev)
+        if isinstance(ev, MarginToken) and ev.index == 1 and sum(isinstance(e, MarginToken) and e.index == 1
+                                                                  for e in events) == 2:
+            stop.set()
+            forwards_at_stop = reading.meter.prefill_tokens + reading.meter.decode_tokens
+    # Nothing more is computed after the flag: the very next event is the closing, stopped Stats.
+    assert len(after_stop) == 1 and isinstance(after_stop[0], Stats) and after_stop[0].stopped
+    assert reading.meter.prefill_tokens + reading.meter.decode_tokens == forwards_at_stop
+    assert [e.index for e in events if isinstance(e, Margin)] == [0]       # margin 0 intact, 1 not finished
+    assert [e.index for e in events if isinstance(e, SegmentRead)] == [0, 1]
+    assert reading.cache.length == reading.doc_end                        # the half margin is cut off
+    # The reader may still answer from what was read.
+    answer = [e for e in reading.answer("Where does Alice fall?") if isinstance(e, Answer)]
+    assert answer and answer[0].margins_used in ([], [0])
+
+
+def test_follow_up_reuses_cache_and_human_selection(engine):
+    reading = engine.open(_chapter(), SMALL)
+    list(reading.read("What does the White Rabbit take out of its pocket?"))
+    doc_end = reading.doc_end
+    first = list(reading.answer("What does the White Rabbit take out of its pocket?", margins=[1]))
+    assert [e for e in first if isinstance(e, Answer)][0].margins_used == [1]
+    follow = list(reading.answer("What is the name of Alice's cat?", margins={0: "Alice's cat is Dinah."}))
+    ans = [e for e in follow if isinstance(e, Answer)][0]
+    stats = [e for e in follow if isinstance(e, Stats)][0]
+    assert ans.margins_used == [0] and ans.query == "What is the name of Alice's cat?"
+    expected = len(engine.layout.suffix("answer", query="What is the name of Alice's cat?",
+                                        margins="- (part 1) Alice's cat is Dinah."))
+    assert stats.prefill_tokens == expected                                # no document tokens re-read
+    assert reading.cache.length == doc_end
+
+
+def test_resume_keeps_saved_margins(engine):
+    reading = engine.open(_chapter(3000), SMALL)
+    events = list(reading.read("Who is late?", skip={0: "saved margin zero"}))
+    margins = [e for e in events if isinstance(e, Margin)]
+    assert 0 not in [m.index for m in margins] and len(margins) == len(reading.segments) - 1
+    assert reading.margins[0].text == "saved margin zero"
+
+
+@pytest.mark.parametrize("mode", ["llm", "rag"])
+def test_baseline_modes(engine, mode):
+    settings = Settings(mode=mode, segment_tokens=300, answer_tokens=16, rag_top_k=2)
+    events = list(engine.run(_chapter(), "What is the name of Alice's cat?", settings))
+    assert not any(isinstance(e, Margin) for e in events)
+    read = [e for e in events if isinstance(e, SegmentRead)]
+    answer = [e for e in events if isinstance(e, Answer)]
+    assert len(answer) == 1 and answer[0].margins_used == []
+    n = len(engine.open(_chapter(), settings).segments)
+    assert len(read) == (n if mode == "llm" else 2)
+
+
+def test_too_long_is_a_clear_error(engine):
+    text = shared("books", "pg1342.txt").read_text(encoding="utf-8")
+    with pytest.raises(DocumentTooLong, match=r"reads at most 8,192 tokens"):
+        engine.open(text, Settings())
+
+
+def test_cli_jsonl_and_error(tmp_path):
+    path = tmp_path / "alice.txt"
+    path.write_text(_chapter(2500), encoding="utf-8")
+    cmd = [sys.executable, "-m", "engine", "read", str(path), "--query", "Who is late?", "--jsonl",
+           "--segment-tokens", "300", "--margin-tokens", "8", "--answer-tokens", "8", "--classifier", "none"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("segment") == kinds.count("margin") >= 2
+    assert kinds[-2:] == ["answer", "stats"] and "stats" in kinds[:-1]
+    long = tmp_path / "long.txt"
+    long.write_text(shared("books", "pg1342.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    bad = subprocess.run(cmd[:4] + [str(long), "--query", "Who?"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "reads at most" in bad.stderr and "Traceback" not in bad.stderr
