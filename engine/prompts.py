@@ -41,6 +41,12 @@ class PromptLayout:
         self.turn_end = tail[len(self.closing):]
         self.prefix = self.encode(self.prefix_text)
 
+    def window_prefix(self, notes: str) -> list[int]:
+        """The prefix of a later window: the earlier parts survive only as margin notes, placed before the
+        document opening in the same user turn."""
+        before, _ = chat_parts(self.tokenizer, prompt("window").format(margins=notes) + prompt("document"))
+        return self.encode(before)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 

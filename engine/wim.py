@@ -23,7 +23,7 @@ import torch
 
 from .cache import make_cache
 from .classify import Classifier, embed
-from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats
+from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
 from .generate import Meter, Runner, Stopped, peak_memory_bytes
 from .model import LoadedModel, load_model
 from .prompts import PromptLayout
@@ -109,22 +109,52 @@ class Reading:
         self.margins: dict[int, MarginNote] = {}
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
+        self.window = 0                      # index of the window the cache holds
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
-        self._check_fits()
+        self._plan_windows()
 
     @property
     def segments(self) -> list[Segment]:
         return self.doc.segments
 
-    def _check_fits(self) -> None:
-        reserve = len(self.layout.suffix("margin", query="")) + 64 + self.settings.margin_tokens
-        need = len(self.layout.prefix) + len(self.doc.token_ids) + reserve
-        if self.settings.mode != "rag" and need > self.limit:
+    def _plan_windows(self) -> None:
+        """Decide whether the text fits one window. If not: `wim` reads it in several windows (earlier text is
+        carried by its margins), `llm` keeps the beginning and the end (the middle is skipped, as LongBench
+        truncates), `rag` is unaffected (it reads only its top-k segments)."""
+        s = self.settings
+        self.margin_reserve = len(self.layout.suffix("margin", query="")) + 64 + s.margin_tokens
+        need = len(self.layout.prefix) + len(self.doc.token_ids) + self.margin_reserve
+        self.multiwindow = need > self.limit
+        # In a multi-window reading the last window must leave room for the answer's notes and the answer.
+        self.answer_reserve = s.answer_tokens + self.limit // 8 + 64
+        self.window_reserve = max(self.margin_reserve, self.answer_reserve if self.multiwindow else 0)
+        largest = max(seg.tokens for seg in self.segments)
+        if len(self.layout.prefix) + self.limit // 4 + largest + self.window_reserve > self.limit:
             raise DocumentTooLong(
-                f"This text is {len(self.doc.token_ids):,} tokens; with the instructions it needs {need:,}, "
-                f"but {self.engine.lm.name} reads at most {self.limit:,} tokens at once. "
-                "Use a shorter text or a model with a longer context.")
+                f"Segments of {largest:,} tokens do not fit in a {self.limit:,}-token window next to the "
+                "instructions and notes: choose a smaller segment size.")
+        self.skipped: list[int] = []
+        if self.multiwindow and s.mode == "llm":
+            budget = self.limit - len(self.layout.prefix) - self.answer_reserve
+            n, keep, used = len(self.segments), set(), 0
+            for i in dict.fromkeys(j for pair in zip(range(n), reversed(range(n))) for j in pair):
+                if used + self.segments[i].tokens > budget:  # 0, n-1, 1, n-2, ...: both ends, inwards
+                    break
+                keep.add(i)
+                used += self.segments[i].tokens
+            self.skipped = [i for i in range(len(self.segments)) if i not in keep]
+
+    def document_note(self) -> str | None:
+        """What the user should know about how this text will be read, if anything."""
+        if self.settings.mode == "llm" and self.skipped:
+            return (f"Plain long-context reading: the text is {len(self.doc.token_ids):,} tokens but the window "
+                    f"holds {self.limit:,}; segments {self.skipped[0] + 1}-{self.skipped[-1] + 1} in the middle "
+                    "are skipped.")
+        if self.multiwindow and self.settings.mode == "wim":
+            return (f"The text is {len(self.doc.token_ids):,} tokens, more than the {self.limit:,}-token window: it "
+                    "is read in several windows, and each new window carries the earlier parts as margin notes.")
+        return None
 
     # ---- reading -------------------------------------------------------------------------------------
     def read(self, query: str, stop: threading.Event | None = None, skip: dict[int, str] | None = None
@@ -138,18 +168,23 @@ class Reading:
         classifier = Classifier(self.settings.classifier, self.runner, self.layout,
                                 self.settings.embedding_threshold) if mode == "wim" else None
         chosen = self._rag_choice(query) if mode == "rag" else None
+        note = self.document_note()
+        if note:
+            yield Notice(note)
         try:
             self.runner.prefill(self.layout.prefix, self.cache, stop)
             for seg in self.segments:
-                if chosen is not None and seg.index not in chosen:
+                if (chosen is not None and seg.index not in chosen) or seg.index in self.skipped:
                     continue
+                if self.cache.length + seg.tokens + self.window_reserve > self.limit:
+                    yield self._new_window(seg.index, stop)
                 t = time.perf_counter()
                 with self.engine.lock:
                     self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
                 self.read_segments.append(seg.index)
                 self.doc_end = self.cache.length
                 yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
-                                  seg.pages, 0, self.cache.length, round(time.perf_counter() - t, 4))
+                                  seg.pages, self.window, self.cache.length, round(time.perf_counter() - t, 4))
                 if mode != "wim":
                     continue
                 if seg.index in skip:
@@ -162,12 +197,31 @@ class Reading:
             return
         yield self._stats("read")
 
+    def _new_window(self, first_segment: int, stop) -> WindowStart:
+        """Start a fresh window: instructions, the relevant margins so far (the only trace of the text that
+        leaves the cache), then reading resumes at `first_segment`."""
+        notes = self.default_selection()
+        budget = self.limit // 4
+        while True:
+            lines = "\n".join(f"- (part {i + 1}) {self.margins[i].text}" for i in notes) or "(none so far)"
+            prefix = self.layout.window_prefix(lines)
+            if len(prefix) <= len(self.layout.prefix) + budget or not notes:
+                break
+            notes.pop(0)  # the oldest notes give way first
+        self.window += 1
+        self.cache.truncate(0)
+        with self.engine.lock:
+            self.runner.prefill(prefix, self.cache, stop)
+        self.doc_end = self.cache.length
+        return WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
+
     def _reset(self, meter: Meter) -> None:
         self.meter = self.runner.meter = meter
         self.cache.truncate(0)
         self.margins.clear()
         self.read_segments.clear()
         self.doc_end = 0
+        self.window = 0
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop) -> Iterator[Event]:
         t = time.perf_counter()
