@@ -96,11 +96,24 @@ class PreallocatedCache(Cache):
                 out[f"v{i}"] = layer.values[:, :, :layer.length]
         return out
 
-    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> None:
         for i, layer in enumerate(self.layers):
-            keys, values = tensors[f"k{i}"], tensors[f"v{i}"]
             layer.length = 0
-            layer.update(keys.to(layer.keys.device if layer.is_initialized else keys.device), values)
+            with torch.inference_mode():
+                layer.update(tensors[f"k{i}"].to(device), tensors[f"v{i}"].to(device))
+
+    def save(self, path) -> None:
+        """Write the filled part to a safetensors file (a window's cache, kept for follow-up questions)."""
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in self.state().items()}, str(path))
+
+    @classmethod
+    def load(cls, path, capacity: int, device: torch.device | str = "cpu") -> "PreallocatedCache":
+        from safetensors.torch import load_file
+        tensors = load_file(str(path))  # memory-mapped by safetensors, copied once into the buffers
+        cache = cls(len(tensors) // 2, capacity)
+        cache.load_state(tensors, device)
+        return cache
 
 
 class RecordingDynamicCache(DynamicCache):

@@ -110,6 +110,7 @@ class Reading:
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
         self.window = 0                      # index of the window the cache holds
+        self.boundaries: dict[int, int] = {}  # segment index -> cache length after it (current window only)
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
         self._plan_windows()
@@ -182,7 +183,7 @@ class Reading:
                 with self.engine.lock:
                     self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
                 self.read_segments.append(seg.index)
-                self.doc_end = self.cache.length
+                self.doc_end = self.boundaries[seg.index] = self.cache.length
                 yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
                                   seg.pages, self.window, self.cache.length, round(time.perf_counter() - t, 4))
                 if mode != "wim":
@@ -197,6 +198,63 @@ class Reading:
             return
         yield self._stats("read")
 
+    # ---- margins for a new question, from the cache ---------------------------------------------------
+    def remargin(self, query: str, stop: threading.Event | None = None) -> Iterator[Event]:
+        """Margins for a *new* question at every segment boundary, without re-reading the document.
+
+        Causal attention makes the cache after segments 0..i the first part of the cache after all of them.
+        So the new instruction and note for boundary i are written in spare room after the document, with
+        positions that continue from boundary i, and an explicit mask that lets them see the cache up to
+        boundary i and themselves only. They are cut off afterwards, as usual."""
+        if self.multiwindow or self.settings.mode != "wim":
+            raise RuntimeError("New-question margins from the cache need a single-window wim reading; re-read.")
+        query = self.query = query.strip()
+        self.meter = self.runner.meter = Meter()
+        classifier = Classifier(self.settings.classifier, self.runner, self.layout, self.settings.embedding_threshold)
+        instruction = self.layout.suffix("margin", query=query)
+        try:
+            for index in self.read_segments:
+                seg, visible = self.segments[index], self.boundaries[index]
+                t = time.perf_counter()
+                pieces, count = [], 0
+                with self.engine.lock:
+                    try:
+                        logits = self._masked_forward(instruction, visible, stop)
+                        step = lambda token: self._masked_forward([token], visible, stop)  # noqa: E731
+                        for _, piece in self.runner.decode(self.cache, logits, self.settings.margin_tokens, stop,
+                                                           self.settings.temperature, self.generator, step):
+                            count += 1
+                            if piece:
+                                pieces.append(piece)
+                                yield MarginToken(index, piece)
+                    finally:
+                        self.cache.truncate(self.doc_end)
+                    text = "".join(pieces).strip()
+                    relevant, score = classifier(query, text, stop)
+                self.margins[index] = MarginNote(index, text, relevant, score)
+                yield Margin(index, text, relevant, score, count, round(time.perf_counter() - t, 4), seg.pages)
+        except Stopped:
+            yield self._stats("remargin", stopped=True)
+            return
+        yield self._stats("remargin")
+
+    def _masked_forward(self, ids: list[int], visible: int, stop) -> torch.Tensor:
+        """Feed scratch tokens stored after the document but positioned after boundary `visible`."""
+        scratch = self.cache.length - self.doc_end          # scratch tokens already in the cache
+        q, kv = len(ids), self.cache.length + len(ids)
+        dtype = self.engine.lm.model.dtype
+        mask = torch.full((q, kv), torch.finfo(dtype).min, dtype=dtype, device=self.engine.lm.device)
+        mask[:, :visible] = 0
+        for j in range(q):  # causal among the scratch tokens
+            mask[j, self.doc_end:self.doc_end + scratch + j + 1] = 0
+        t = time.perf_counter()
+        logits = self.runner.forward(ids, self.cache, stop, attention_mask=mask[None, None],
+                                     position_start=visible + scratch)
+        if q > 1:
+            self.meter.prefill_tokens += q
+            self.meter.prefill_seconds += time.perf_counter() - t
+        return logits
+
     def _new_window(self, first_segment: int, stop) -> WindowStart:
         """Start a fresh window: instructions, the relevant margins so far (the only trace of the text that
         leaves the cache), then reading resumes at `first_segment`."""
@@ -209,6 +267,7 @@ class Reading:
                 break
             notes.pop(0)  # the oldest notes give way first
         self.window += 1
+        self.boundaries.clear()
         self.cache.truncate(0)
         with self.engine.lock:
             self.runner.prefill(prefix, self.cache, stop)
@@ -222,6 +281,7 @@ class Reading:
         self.read_segments.clear()
         self.doc_end = 0
         self.window = 0
+        self.boundaries.clear()
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop) -> Iterator[Event]:
         t = time.perf_counter()
