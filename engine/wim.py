@@ -211,28 +211,9 @@ class Reading:
         query = self.query = query.strip()
         self.meter = self.runner.meter = Meter()
         classifier = Classifier(self.settings.classifier, self.runner, self.layout, self.settings.embedding_threshold)
-        instruction = self.layout.suffix("margin", query=query)
         try:
             for index in self.read_segments:
-                seg, visible = self.segments[index], self.boundaries[index]
-                t = time.perf_counter()
-                pieces, count = [], 0
-                with self.engine.lock:
-                    try:
-                        logits = self._masked_forward(instruction, visible, stop)
-                        step = lambda token: self._masked_forward([token], visible, stop)  # noqa: E731
-                        for _, piece in self.runner.decode(self.cache, logits, self.settings.margin_tokens, stop,
-                                                           self.settings.temperature, self.generator, step):
-                            count += 1
-                            if piece:
-                                pieces.append(piece)
-                                yield MarginToken(index, piece)
-                    finally:
-                        self.cache.truncate(self.doc_end)
-                    text = "".join(pieces).strip()
-                    relevant, score = classifier(query, text, stop)
-                self.margins[index] = MarginNote(index, text, relevant, score)
-                yield Margin(index, text, relevant, score, count, round(time.perf_counter() - t, 4), seg.pages)
+                yield from self._write_margin(self.segments[index], query, classifier, stop, self.boundaries[index])
         except Stopped:
             yield self._stats("remargin", stopped=True)
             return
@@ -283,20 +264,30 @@ class Reading:
         self.window = 0
         self.boundaries.clear()
 
-    def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop) -> Iterator[Event]:
+    def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
+                      visible: int | None = None) -> Iterator[Event]:
+        """Instruction, note, cut. `visible=None`: the instruction follows the end of the cache (reading).
+        An int: it sits in scratch room past the document, positioned after boundary `visible` and masked to
+        see only the cache up to there (new-question margins)."""
         t = time.perf_counter()
+        instruction = self.layout.suffix("margin", query=query)
+        if visible is None:
+            first, step = (lambda: self.runner.prefill(instruction, self.cache, stop)), None
+        else:
+            first = lambda: self._masked_forward(instruction, visible, stop)  # noqa: E731
+            step = lambda token: self._masked_forward([token], visible, stop)  # noqa: E731
         pieces, count = [], 0
         with self.engine.lock:
-            logits = self.runner.prefill(self.layout.suffix("margin", query=query), self.cache, stop)
             try:
+                logits = first()
                 for _, piece in self.runner.decode(self.cache, logits, self.settings.margin_tokens, stop,
-                                                   self.settings.temperature, self.generator):
+                                                   self.settings.temperature, self.generator, step):
                     count += 1
                     if piece:
                         pieces.append(piece)
                         yield MarginToken(seg.index, piece)
             finally:
-                # Cut the instruction and the note off: the cache is back at the segment boundary.
+                # Cut the instruction and the note off: the cache is back at the end of the document.
                 self.cache.truncate(self.doc_end)
             text = "".join(pieces).strip()
             relevant, score = classifier(query, text, stop)
