@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
+    read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
+                      help="a further question answered from the same cache, without re-reading (repeatable)")
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
     return parser
 
@@ -92,7 +94,9 @@ class HumanOutput:
                 self.answer_started = True
             self.console.print(ev.text, end="", markup=False)
         elif ev.kind == "answer":
-            self.console.print()
+            self.console.print(f"\n[dim](question: {ev.query}; margins used: "
+                               f"{', '.join(str(i + 1) for i in ev.margins_used) or 'none'})")
+            self.answer_started = False
         elif ev.kind == "stats":
             if ev.phase == "read":
                 self.progress.stop()
@@ -116,8 +120,9 @@ def cmd_read(args) -> int:
     try:
         for ev in reading.read(query, stop):
             out(ev)
-        for ev in reading.answer(query, stop=stop):
-            out(ev)
+        for question in [query, *args.follow_up]:
+            for ev in reading.answer(question, stop=stop):
+                out(ev)
     except KeyboardInterrupt:
         stop.set()
         return 130
