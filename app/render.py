@@ -80,6 +80,7 @@ class Panel:
     eta_s: float | None = None
     used: set[int] = field(default_factory=set)      # margins the latest answer used
     classifier: str = "llm"
+    ready: bool = True   # False only in the page's initial HTML, before the load event has run
 
     @property
     def total(self) -> int:
@@ -180,7 +181,7 @@ def panel_html(panel: Panel) -> str:
               '<span data-state="unread">not read yet</span></div>') if total else ""
     return (
         f'<div class="mg-panel" data-session="{esc(panel.session_id)}" data-status="{esc(panel.status)}" '
-        f'data-read="{done}" data-total="{total}">'
+        f'data-read="{done}" data-total="{total}" data-ready="{1 if panel.ready else 0}">'
         f'<div class="mg-status" role="status" aria-live="polite"><span class="mg-dot"></span>'
         f'<span class="mg-status-text">{esc(panel.message or _default_message(panel))}</span></div>'
         f'<div class="mg-progress" role="progressbar" aria-label="Segments read" aria-valuemin="0" '
@@ -209,8 +210,8 @@ def _default_message(panel: Panel) -> str:
     }.get(panel.status, "")
 
 
-def empty_panel() -> str:
-    return panel_html(Panel())
+def empty_panel(ready: bool = True) -> str:
+    return panel_html(Panel(ready=ready))
 
 
 # ---------------------------------------------------------------- the segment being read
@@ -289,7 +290,7 @@ def answers_html(answers: list[AnswerView]) -> str:
 
 def document_html(title: str, kind: str, name: str, pages: int | None, chars: int, tokens: int | None,
                   segments: int | None, segment_tokens: int | None, estimate_s: float | None,
-                  problem: str = "") -> str:
+                  problem: str = "", note: str = "") -> str:
     facts = [kind.upper()]
     if pages:
         facts.append(f"{pages:,} page{'s' if pages != 1 else ''}")
@@ -301,6 +302,8 @@ def document_html(title: str, kind: str, name: str, pages: int | None, chars: in
     if estimate_s is not None:
         facts.append(f"about {duration(estimate_s)} to read here")
     warn = f'<div class="mg-doc-problem" role="alert">{esc(problem)}</div>' if problem else ""
+    if note:
+        warn += f'<div class="mg-doc-note">{esc(note)}</div>'
     return (f'<div class="mg-doc"><div class="mg-doc-title">{esc(title)}</div>'
             f'<div class="mg-doc-name">{esc(name)}</div>'
             f'<div class="mg-doc-meta">{esc(" · ".join(facts))}</div>{warn}</div>')

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, Stats
+from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
 from engine.wim import DocumentTooLong, Engine, Settings
 
 from . import render, worker
@@ -52,6 +52,7 @@ class Defaults:
     margin_tokens: int = Settings.margin_tokens
     answer_tokens: int = Settings.answer_tokens
     classifier: str = Settings.classifier
+    context_limit: int | None = None  # cap on the tokens a reading's cache may hold (None: the model's window)
 
 
 def _now() -> float:
@@ -121,7 +122,7 @@ class Service:
             return Settings(segment_tokens=int(segment_tokens or d.segment_tokens),
                             margin_tokens=int(margin_tokens or d.margin_tokens),
                             answer_tokens=int(answer_tokens or d.answer_tokens),
-                            classifier=classifier or d.classifier).validate()
+                            classifier=classifier or d.classifier, context_limit=d.context_limit).validate()
         except (TypeError, ValueError) as e:
             raise UserError(f"Those settings don't work: {e}") from e
 
@@ -144,17 +145,19 @@ class Service:
         doc = self.store.get_document(doc_id) if doc_id else None
         if doc is None:
             return render.no_document()
-        problem, tokens, segments, estimate = "", None, None, None
+        problem, note, tokens, segments, estimate = "", "", None, None, None
         try:
             reading = self._open(doc, settings)
             tokens, segments = len(reading.doc.token_ids), len(reading.segments)
             estimate = self.estimate_seconds(tokens, segments, settings)
+            note = getattr(reading, "document_note", lambda: None)() or ""  # e.g. "read in 3 windows"
         except DocumentTooLong as e:
             problem = str(e)
         except ValueError as e:
             problem = str(e)
         return render.document_html(doc["title"] or doc["name"], doc["kind"], doc["name"], doc["pages"],
-                                    doc["chars"], tokens, segments, settings.segment_tokens, estimate, problem)
+                                    doc["chars"], tokens, segments, settings.segment_tokens, estimate, problem,
+                                    note)
 
     # ------------------------------------------------------------------ sessions
 
@@ -492,6 +495,10 @@ class Service:
                 yield {"panel": render.panel_html(panel), **update}
             elif isinstance(ev, Notice):
                 yield {"notice": render.notice_html(ev.text, "info")}
+            elif isinstance(ev, WindowStart):
+                panel.message = (f"New context window from segment {ev.first_segment + 1}: the text before it "
+                                 f"lives on in {ev.carried_margins} margin note(s).")
+                yield {"panel": render.panel_html(panel)}
             elif isinstance(ev, Stats):
                 # A margin cut short by Stop was never saved: drop its card.
                 for i in [i for i, c in panel.cards.items() if not c.done]:
@@ -505,6 +512,7 @@ class Service:
                     complete = all(i in panel.cards for i in range(len(segments)))
                     status, panel.status = ("read", "done") if complete else ("stopped", "stopped")
                 self.store.update_session(sid, status=status)
+                self._end(sid)  # before the last update, so the sessions list no longer says "reading"
                 panel.message, panel.eta_s = "", None
                 yield {"panel": render.panel_html(panel), "resume": panel.status != "done", "sessions": True}
 
@@ -567,6 +575,7 @@ class Service:
                 elif isinstance(ev, Stats) and ev.stopped:
                     current.done = True
                     current.note = "Stopped before the answer was finished; nothing was saved."
+            self._end(session_id)
             session = self.store.get_session(session_id, owner)
             panel = self._panel(session, self.store.margins(session_id), self._segments_of(session, doc))
             panel.used = set(current.used) if current.done and current.text else set()

@@ -423,10 +423,10 @@ class Store:
             for a in data["answers"]:
                 out += [f"### {a['question']}", "", a["text"], ""]
                 if a["margins_used"]:
-                    out += [f"*Margins used: {', '.join(map(str, a['margins_used']))}*", ""]
+                    out += [f"*Margins used: segments {', '.join(str(i + 1) for i in a['margins_used'])}*", ""]
         out += ["## Margin notes", ""]
         for m in data["margins"]:
-            head = f"### Segment {m['segment_index']}"
+            head = f"### Segment {m['segment_index'] + 1}"
             if m["page_start"] is not None:
                 pages = m["page_start"] if m["page_end"] in (None, m["page_start"]) \
                     else f"{m['page_start']}–{m['page_end']}"

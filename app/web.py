@@ -44,9 +44,32 @@ def launch_kwargs() -> dict:
     return {"theme": theme(), "css": static_text("marginalia.css")}
 
 
-def build(service: Service, secret: str, startup: dict | None = None) -> gr.Blocks:
+class Viewing:
+    """Which session each open tab shows (by Gradio's per-tab session hash). A reading streams into the panel
+    of the tab that started it only while that tab still shows its session: if the reader opens another
+    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at."""
+
+    def __init__(self):
+        self._tabs: dict[str, str | None] = {}
+
+    def show(self, request: gr.Request | None, session_id: str | None) -> None:
+        if request is not None and request.session_hash:
+            self._tabs[request.session_hash] = session_id
+
+    def shows(self, request: gr.Request | None, session_id: str) -> bool:
+        if request is None or not request.session_hash:
+            return True
+        return self._tabs.get(request.session_hash, session_id) == session_id
+
+    def close(self, request: gr.Request | None) -> None:
+        if request is not None and request.session_hash:
+            self._tabs.pop(request.session_hash, None)
+
+
+def build(service: Service, secret: str) -> gr.Blocks:
     info = service.engine.lm.info
     d = service.defaults
+    viewing = Viewing()
     with gr.Blocks(title="Marginalia") as demo:
         browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
         session_state = gr.State(None)   # the open session's id
@@ -88,10 +111,10 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
                 segment_view = gr.HTML(render.empty_segment(), js_on_load=static_text("segment.js"),
                                        elem_id="segment-view")
             with gr.Column(scale=7, min_width=420):
-                panel = gr.HTML(render.empty_panel(), js_on_load=static_text("panel.js"), elem_id="margin-panel")
+                panel = gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"), elem_id="margin-panel")
                 with gr.Row(elem_id="answer-row"):
                     answer_btn = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
-                    export_btn = gr.Button("Export (Markdown + JSON)", elem_id="export-btn", scale=1)
+                    export_btn = gr.Button("Export", elem_id="export-btn", scale=1)
                 answers = gr.HTML(render.answers_html([]), js_on_load=None, elem_id="answers")
                 downloads = gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
                                     elem_id="downloads")
@@ -116,7 +139,9 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
         def session_choices(owner, selected=None):
             return gr.update(choices=service.sessions(owner), value=selected)
 
-        def stream_outputs(update: dict, owner: str, session_id: str | None):
+        def stream_outputs(update: dict, owner: str, session_id: str | None, shown: bool = True):
+            if not shown:  # the tab shows another session now: only the sessions list and notices
+                update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
             return (update.get("panel", gr.skip()), update.get("segment", gr.skip()),
                     session_choices(owner, session_id) if update.get("sessions") else gr.skip(),
                     gr.update(visible=update["resume"]) if "resume" in update else gr.skip(),
@@ -124,29 +149,33 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
 
         # ---------------------------------------------------------- page load and sessions
 
-        def on_load(owner):
+        def on_load(owner, request: gr.Request):
             owner = owner or uuid.uuid4().hex
             choices = service.sessions(owner)
             if not choices:
+                viewing.show(request, None)
                 return (owner, gr.update(choices=[], value=None), *blank_view())
             newest = choices[0][1]
+            viewing.show(request, newest)
             return (owner, gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
 
         demo.load(on_load, inputs=[browser], outputs=[browser, sessions, *view_outputs], api_visibility="private",
                   show_progress="hidden")
 
-        def on_open(owner, session_id):
+        def on_open(owner, session_id, request: gr.Request):
             if not session_id:
                 return tuple(gr.skip() for _ in view_outputs)
             try:
-                return view_values(service.view(owner, session_id))
+                values = view_values(service.view(owner, session_id))
+                viewing.show(request, session_id)
+                return values
             except UserError as e:
                 return (*(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
 
         sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
                        concurrency_limit=None, show_progress="hidden")
 
-        def on_delete(owner, session_id):
+        def on_delete(owner, session_id, request: gr.Request):
             try:
                 if not session_id:
                     raise UserError("No session is open.")
@@ -155,8 +184,10 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
                 return (gr.skip(), *(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
             choices = service.sessions(owner)
             if not choices:
+                viewing.show(request, None)
                 return (gr.update(choices=[], value=None), *blank_view())
             newest = choices[0][1]
+            viewing.show(request, newest)
             return (gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
 
         delete_btn.click(on_delete, inputs=[browser, session_state], outputs=[sessions, *view_outputs],
@@ -188,32 +219,36 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
 
         # ---------------------------------------------------------- read, resume, stop
 
-        def on_read(owner, doc_id, text, *settings):
+        def on_read(owner, doc_id, text, segment_tokens, margin_tokens, answer_tokens, classifier_name,
+                    request: gr.Request):
             try:
-                session_id = service.start_read(owner, doc_id, text, service.settings(*settings))
+                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name)
+                session_id = service.start_read(owner, doc_id, text, settings)
             except UserError as e:
                 return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)),
                         gr.skip())
+            viewing.show(request, session_id)
             job = {"kind": "read", "session_id": session_id}
             return (job, session_id, service.waiting_panel(owner, session_id), render.answers_html([]),
                     render.empty_segment(), session_choices(owner, session_id), "", gr.update(visible=False))
 
-        def on_resume(owner, session_id):
+        def on_resume(owner, session_id, request: gr.Request):
             try:
                 service.start_resume(owner, session_id)
             except UserError as e:
                 return None, gr.skip(), render.notice_html(str(e)), gr.skip()
+            viewing.show(request, session_id)
             return ({"kind": "resume", "session_id": session_id}, service.waiting_panel(owner, session_id), "",
                     gr.update(visible=False))
 
-        def read_job(owner, job):
+        def read_job(owner, job, request: gr.Request):
             if not job or job.get("kind") not in ("read", "resume"):
                 yield tuple(gr.skip() for _ in range(5))
                 return
             sid = job["session_id"]
             try:
                 for update in service.read_stream(owner, sid, resume=job["kind"] == "resume"):
-                    yield stream_outputs(update, owner, sid)
+                    yield stream_outputs(update, owner, sid, viewing.shows(request, sid))
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
 
@@ -267,13 +302,15 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
                 return None, render.notice_html(str(e))
             return {"kind": "answer", **job}, ""
 
-        def answer_job(owner, job):
+        def answer_job(owner, job, request: gr.Request):
             if not job or job.get("kind") != "answer":
                 yield tuple(gr.skip() for _ in range(5))
                 return
             sid = job["session_id"]
             try:
                 for u in service.answer_stream(owner, sid, job["question"]):
+                    if not viewing.shows(request, sid):
+                        u = {k: v for k, v in u.items() if k in ("sessions", "notice")}
                     yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
                            session_choices(owner, sid) if u.get("sessions") else gr.skip(),
                            gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
@@ -295,6 +332,8 @@ def build(service: Service, secret: str, startup: dict | None = None) -> gr.Bloc
 
         export_btn.click(on_export, inputs=[browser, session_state], outputs=[downloads, notice],
                          api_visibility="private", concurrency_limit=None, show_progress="hidden")
+
+        demo.unload(viewing.close)
 
         # ---------------------------------------------------------- the API (gradio_client)
         add_api(service)

@@ -41,3 +41,104 @@ TOLERANCE = {"engine64": 1e-5, "engine": 1e-4}
 def any_engine(request):
     """(engine, tolerance) in float64 (the strict check) and in float32 (what users run)."""
     return request.getfixturevalue(request.param), TOLERANCE[request.param]
+
+
+# ---------------------------------------------------------------- the app as a real server, and a real browser
+# Generic helpers for tests/test_app_*.py: start `python app.py` on a free 127.0.0.1 port with its own data
+# directory, and drive Debian's Chromium through Playwright (never `playwright install`).
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppServer:
+    """`python app.py` in a subprocess. restart() keeps the data directory and the port (the browser's
+    localStorage, hence its identity, belongs to the origin)."""
+
+    def __init__(self, data_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None):
+        self.data_dir, self.args = Path(data_dir), list(args)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or self.data_dir.parent / f"app-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300) -> "AppServer":
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, str(ROOT / "app.py"), "--no-browser", "--host", "127.0.0.1", "--port",
+               str(self.port), "--data-dir", str(self.data_dir), *self.args]
+        deadline = time.monotonic() + timeout
+        for attempt in range(3):  # right after a kill the port can take a moment to come free
+            self.log = open(self.log_path, "a", encoding="utf-8")
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(self.url + "/config", timeout=5) as r:
+                        if r.status == 200:
+                            return self
+                except OSError:
+                    time.sleep(0.5)
+            self.log.close()
+            if self.proc.poll() is None:
+                self.stop()
+                raise RuntimeError(f"app did not start in {timeout:.0f} s:\n{self.tail()}")
+            if "address already in use" not in self.tail().lower() and "cannot find empty port" not in \
+                    self.tail().lower():
+                raise RuntimeError(f"app exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(2)
+        raise RuntimeError(f"port {self.port} stayed busy:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc and not self.log.closed:
+            self.log.close()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the app can tell."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def restart(self) -> "AppServer":
+        self.stop()
+        return self.start()
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Chromium (Debian's package) driven by Playwright; skips when it is not installed."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -242,8 +242,8 @@ def test_exports(store):
     assert md.startswith("# Moby-Dick\n")
     for piece in ("**Question:** Who is Ahab?", "## Answers", "The one-legged captain.",
                   "Margins used: 0, 1", "## Margin notes",
-                  "### Segment 0 · p. 1 · relevant (reader)", "Ishmael goes to sea.",
-                  "### Segment 1 · p. 2–3 · relevant (0.91)", "Ahab's leg.", '"threshold": 0.35'):
+                  "### Segment 1 · p. 1 · relevant (reader)", "Ishmael goes to sea.",
+                  "### Segment 2 · p. 2–3 · relevant (0.91)", "Ahab's leg.", '"threshold": 0.35'):
         assert piece in md, piece
     with pytest.raises(KeyError):
         store.export_markdown("no-such-session")

@@ -1,0 +1,165 @@
+"""app/service.py and app/render.py with the real tokenizer/model and a real SQLite file (no server, no browser)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+
+import pytest
+
+from app import render
+from app.service import Defaults, Service, UserError
+from app.storage import Store
+from engine import DocumentTooLong, Settings
+
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+        "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+        "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
+        "the rightful property of some one or other of their daughters.\n\n") * 3
+
+
+@pytest.fixture
+def service(engine, tmp_path):
+    return Service(engine, Store(tmp_path / "marginalia.db"),
+                   Defaults(segment_tokens=64, margin_tokens=8, answer_tokens=8, classifier="none"))
+
+
+def saved_session(service, owner="alice"):
+    """A session with one margin, a mark and an answer, written straight to the store."""
+    store = service.store
+    doc = store.add_document("pride.txt", "txt", "Pride and Prejudice", TEXT, hashlib.sha256(TEXT.encode()).hexdigest())
+    sid = store.create_session(owner, doc, "Who is in want of a wife?", service.model,
+                               service.settings().to_dict(), 4)
+    store.save_margin(sid, 0, "A single man <b>with a fortune</b>.", True, 0.9, 0, 120)
+    store.set_mark(sid, 0, False)
+    store.save_answer(sid, "Who is in want of a wife?", "A single man.", [0], 1.5)
+    return sid
+
+
+def snapshot(store, sid):
+    return store.get_session(sid), store.margins(sid), store.answers(sid)
+
+
+def pdf_bytes(*, encrypt: bool = False) -> bytes:
+    """A one-page PDF with no text on it (a scan, as far as text goes), optionally password-protected."""
+    pypdf = pytest.importorskip("pypdf")
+    writer = pypdf.PdfWriter()
+    writer.add_blank_page(width=300, height=300)
+    if encrypt:
+        writer.encrypt("secret")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def test_bad_uploads_get_clear_messages_and_lose_nothing(service, tmp_path):
+    sid = saved_session(service)
+    before = snapshot(service.store, sid)
+    broken_epub = io.BytesIO()
+    with zipfile.ZipFile(broken_epub, "w") as z:
+        z.writestr("mimetype", "application/epub+zip")
+    cases = {
+        "empty.txt": (b"", "is empty"),
+        "notes.docx": (b"PK\x03\x04 something", "isn't a supported file type"),
+        "broken.pdf": (b"%PDF-1.4\n this is not really a pdf", "couldn't be opened as a PDF"),
+        "locked.pdf": (pdf_bytes(encrypt=True), "password-protected"),
+        "scan.pdf": (pdf_bytes(), "no text layer"),
+        "book.epub": (broken_epub.getvalue(), "isn't a valid EPUB"),
+    }
+    for name, (data, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(UserError, match=message):
+            service.add_upload(str(path))
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:  # sparse: 51 MB on paper, nothing on disk
+        f.truncate(51 * 2**20)
+    with pytest.raises(UserError, match="over the 50 MB limit"):
+        service.add_upload(str(huge))
+    with pytest.raises(UserError, match="choose a file"):
+        service.add_upload(None)
+    assert snapshot(service.store, sid) == before
+
+
+def test_read_refuses_what_it_cannot_read(service, engine, tmp_path):
+    sid = saved_session(service)
+    before = snapshot(service.store, sid)
+    doc = service.store.get_session(sid)["document_id"]
+    settings = service.settings()
+    with pytest.raises(UserError, match="upload a document"):
+        service.start_read("alice", None, "Who?", settings)
+    with pytest.raises(UserError, match="question"):
+        service.start_read("alice", doc, "   ", settings)
+    with pytest.raises(UserError, match="still loading"):
+        service.start_read("", doc, "Who?", settings)
+    # Too long for the model (here: a reading capped at 256 tokens): the engine's own message, verbatim.
+    tight = Settings(segment_tokens=200, margin_tokens=8, classifier="none", context_limit=256)
+    with pytest.raises(DocumentTooLong) as expected:
+        engine.open(TEXT * 4, tight)
+    long_doc = service.store.add_document("long.txt", "txt", "Long", TEXT * 4,
+                                          hashlib.sha256((TEXT * 4).encode()).hexdigest())
+    with pytest.raises(UserError) as shown:
+        service.start_read("alice", long_doc, "Who?", tight)
+    assert str(shown.value) == str(expected.value)
+    assert "Long" in service.document_html(long_doc, tight)
+    assert render.esc(str(expected.value)) in service.document_html(long_doc, tight)
+    with pytest.raises(UserError, match="settings"):
+        service.settings(segment_tokens=8)
+    assert snapshot(service.store, sid) == before
+    assert [s[1] for s in service.sessions("alice")] == [sid]  # nothing half-created
+
+
+def test_sessions_belong_to_their_browser(service):
+    sid = saved_session(service, owner="alice")
+    assert service.sessions("bob") == []
+    for call in (lambda: service.view("bob", sid), lambda: service.set_mark("bob", sid, 0, True),
+                 lambda: service.export("bob", sid), lambda: service.stop("bob", sid),
+                 lambda: service.delete("bob", sid), lambda: service.start_answer("bob", sid, "Who?"),
+                 lambda: service.start_resume("bob", sid), lambda: service.view("", sid)):
+        with pytest.raises(UserError):
+            call()
+    assert service.store.margins(sid)[0]["mark"] is False  # bob's attempt changed nothing
+    view = service.view("alice", sid)
+    assert view["session_id"] == sid and "A single man" in view["answers"]
+
+
+def test_view_export_and_marks(service):
+    sid = saved_session(service)
+    view = service.view("alice", sid)
+    assert 'data-mark="0"' in view["panel"] and "&lt;b&gt;with a fortune&lt;/b&gt;" in view["panel"]
+    assert "<b>with" not in view["panel"]
+    assert view["resume"] is True  # 1 of 4 segments has a margin and nothing runs: resumable
+    assert 'data-status="interrupted"' in view["panel"]
+    assert service.set_mark("alice", sid, 0, True) and service.store.margins(sid)[0]["mark"] is True
+    assert not service.set_mark("alice", sid, 3, True)  # no such margin (yet)
+    md, js = service.export("alice", sid)
+    assert md.endswith(".md") and "Pride and Prejudice" in open(md, encoding="utf-8").read()
+    data = json.load(open(js, encoding="utf-8"))
+    assert data["format"] == "marginalia/1" and data["margins"][0]["mark"] is True
+    assert data["answers"][0]["text"] == "A single man."
+    assert service.delete("alice", sid) and service.sessions("alice") == []
+
+
+def test_everything_from_documents_is_escaped():
+    evil = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    card = render.card_html(render.Card(0, (2, 3), evil, True, 0.5, None, True), "llm")
+    assert "<script" not in card and "<img" not in card and "&lt;script&gt;" in card and "pp. 2–3" in card
+    panel = render.panel_html(render.Panel("s", "reading", evil, [render.SegmentInfo(0, 10, (1, 1))],
+                                           {0: render.Card(0, None, evil, done=False)}, {0}, 0))
+    assert "<script" not in panel and "<img" not in panel
+    segment = render.segment_html("before " + evil + " after", 7, 7 + len(evil), 0, 1)
+    assert "<script" not in segment and "&lt;img src=x" in segment
+    answers = render.answers_html([render.AnswerView(evil, evil, [0], {0: (4, 4)})])
+    assert "<script" not in answers and "Segment 1 · p. 4" in answers
+    doc = render.document_html(evil, "txt", evil, None, 10, 5, 1, 64, 3.0, problem=evil)
+    assert "<script" not in doc and "<img" not in doc
+    assert "<script" not in render.notice_html(evil) and "<script" not in render.header_html({"name": evil})
+
+
+def test_formatting():
+    assert render.pages_label((3, 3)) == "p. 3" and render.pages_label((3, 5)) == "pp. 3–5"
+    assert render.pages_label(None) == "" and render.pages_label((None, None)) == ""
+    assert render.duration(8.2) == "9 s" and render.duration(80) == "1 min 20 s"
+    assert render.duration(1500) == "25 min" and render.duration(4000) == "1 h 06 min"
+    assert render.duration(None) == "—"
