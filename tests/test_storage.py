@@ -241,7 +241,7 @@ def test_exports(store):
     md = store.export_markdown(sid)
     assert md.startswith("# Moby-Dick\n")
     for piece in ("**Question:** Who is Ahab?", "## Answers", "The one-legged captain.",
-                  "Margins used: 0, 1", "## Margin notes",
+                  "Margins used: segments 1, 2", "## Margin notes",
                   "### Segment 1 · p. 1 · relevant (reader)", "Ishmael goes to sea.",
                   "### Segment 2 · p. 2–3 · relevant (0.91)", "Ahab's leg.", '"threshold": 0.35'):
         assert piece in md, piece
