@@ -113,10 +113,12 @@ def test_baseline_modes(engine, mode):
     assert len(read) == (n if mode == "llm" else 2)
 
 
-def test_too_long_is_a_clear_error(engine):
+def test_segment_too_large_for_the_window_is_a_clear_error(engine):
+    """A long text is read in several windows (tests/test_engine_windows.py); what cannot work is a segment
+    that does not fit in one window beside the instructions and notes."""
     text = shared("books", "pg1342.txt").read_text(encoding="utf-8")
-    with pytest.raises(DocumentTooLong, match=r"reads at most 8,192 tokens"):
-        engine.open(text, Settings())
+    with pytest.raises(DocumentTooLong, match=r"do not fit in a 8,192-token window.*smaller segment size"):
+        engine.open(text, Settings(segment_tokens=7000))
 
 
 def test_cli_jsonl_and_error(tmp_path):
@@ -132,6 +134,6 @@ def test_cli_jsonl_and_error(tmp_path):
     assert kinds[-2:] == ["answer", "stats"] and "stats" in kinds[:-1]
     long = tmp_path / "long.txt"
     long.write_text(shared("books", "pg1342.txt").read_text(encoding="utf-8"), encoding="utf-8")
-    bad = subprocess.run(cmd[:4] + [str(long), "--query", "Who?"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and "reads at most" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(cmd[:4] + [str(long), "--query", "Who?", "--segment-tokens", "7000"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "smaller segment size" in bad.stderr and "Traceback" not in bad.stderr
