@@ -1,0 +1,262 @@
+"""Every way of reading a document that the benchmarks compare, behind one call: `run_mode(engine, mode, ...)`.
+
+- `wim`, `plain`: the engine itself (Settings.mode "wim" / "llm").
+- `naive`: the two-pass pattern. Pass 1 reads each segment on its own fresh cache and writes its note; pass 2
+  reads the whole text again, then answers with the notes. The document is prefilled twice.
+- `reference`: the public writer/writing-in-the-margins pattern, rewritten here from its description with our
+  tokens and prompts: transformers' DynamicCache grown with torch.cat, cut back by slicing
+  (DynamicCache.crop(-n)), logits computed for every prefilled position, margins classified by the same model
+  in a second DynamicCache. Same tokens, same prompts, same greedy choices: its margins and answer must equal
+  the engine's; only the cache mechanics differ.
+- `margins_only` (quality eval): answer from the margins alone, on a fresh cache, without the document.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from transformers import DynamicCache
+
+from engine import Answer, Margin, Settings, Stats
+from engine.cache import make_cache
+from engine.classify import Classifier, LLMClassifier
+from engine.generate import Meter, Runner
+from engine.prompts import prompt
+
+from .common import fixed_length
+
+MODES = ("wim", "plain", "naive", "reference")
+
+
+@dataclass
+class Run:
+    """One read + answer in one mode, with its accounting."""
+    mode: str
+    seconds: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    margins: list[tuple[int, str, bool | None]] = field(default_factory=list)  # (segment, text, kept?)
+    answer: str = ""
+    kv_bytes: int = 0            # KV-cache bytes held at once, at most
+    followup_seconds: float | None = None
+    followup_prefill_tokens: int | None = None
+    followup_decode_tokens: int | None = None
+
+    def add(self, stats: "Stats | Meter | Run") -> None:
+        self.prefill_tokens += stats.prefill_tokens
+        self.decode_tokens += stats.decode_tokens
+        self.prefill_seconds += stats.prefill_seconds
+        self.decode_seconds += stats.decode_seconds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_mode(engine, mode: str, text: str, query: str, settings: Settings, followup: str | None = None,
+             fixed: bool = True) -> Run:
+    """Read `text`, answer `query` (and `followup`, wim only). `fixed`: decode every margin and answer to its
+    full length, so all modes decode the same number of tokens."""
+    if mode in ("wim", "plain"):
+        return _engine_run(engine, mode, text, query, settings, followup, fixed)
+    if mode == "naive":
+        return _naive_two_pass(engine, text, query, settings, fixed)
+    if mode == "reference":
+        return _reference_pattern(engine, text, query, settings, fixed)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+
+
+def _classifier_scratch_bytes(engine, reading) -> int:
+    """The LLM classifier's own cache (allocated by the engine inside read(), so not reachable afterwards)."""
+    if reading.settings.mode != "wim" or reading.settings.classifier != "llm":
+        return 0
+    return LLMClassifier(reading.runner, engine.layout).scratch.capacity * kv_bytes_per_token(engine.lm.model)
+
+
+def _collect(events, run: Run) -> None:
+    for ev in events:
+        if isinstance(ev, Margin):
+            run.margins.append((ev.index, ev.text, ev.relevant))
+        elif isinstance(ev, Answer):
+            run.answer = ev.text
+        elif isinstance(ev, Stats):
+            run.add(ev)
+
+
+def _engine_run(engine, mode, text, query, settings, followup, fixed) -> Run:
+    reading = engine.open(text, replace(settings, mode="llm" if mode == "plain" else "wim"))
+    run = Run(mode)
+    with fixed_length(reading.runner) if fixed else nullcontext():
+        t = time.perf_counter()
+        _collect(reading.read(query), run)
+        _collect(reading.answer(query), run)
+        run.seconds = time.perf_counter() - t
+        if followup and mode == "wim":
+            t = time.perf_counter()
+            stats = [e for e in reading.answer(followup) if isinstance(e, Stats)][0]
+            run.followup_seconds = time.perf_counter() - t
+            run.followup_prefill_tokens, run.followup_decode_tokens = stats.prefill_tokens, stats.decode_tokens
+    run.kv_bytes = reading.cache.nbytes() + _classifier_scratch_bytes(engine, reading)
+    return run
+
+
+def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
+    """Pass 1: one fresh cache per segment holding the prefix, that segment (the same tokens WiM reads), the
+    margin instruction and the note. Pass 2: the engine's reader on a fresh cache reads the whole text again,
+    given the pass-1 notes (a resumed reading writes none), then answers with the notes the classifier kept."""
+    lm, layout = engine.lm, engine.layout
+    whole = engine.open(text, replace(settings, mode="wim"))
+    runner = Runner(lm.model, lm.tokenizer, lm.device)
+    classifier = Classifier(settings.classifier, runner, layout, settings.embedding_threshold)
+    margin_suffix = layout.suffix("margin", query=query)
+    run = Run("naive")
+    notes: dict[int, str] = {}
+    kept: list[int] = []
+    with fixed_length(runner, whole.runner) if fixed else nullcontext():
+        t = time.perf_counter()
+        for seg in whole.segments:
+            # Just big enough for this segment and its note: fresh, and not 8k tokens of zeros each time.
+            cache = make_cache(lm.model, len(layout.prefix) + seg.tokens + len(margin_suffix) + settings.margin_tokens)
+            runner.prefill(layout.prefix, cache)
+            runner.prefill(whole.doc.segment_ids(seg), cache)
+            logits = runner.prefill(margin_suffix, cache)
+            notes[seg.index] = "".join(p for _, p in runner.decode(cache, logits, settings.margin_tokens)).strip()
+            relevant, _ = classifier(query, notes[seg.index])
+            if relevant is None or relevant:
+                kept.append(seg.index)
+        pass1_kv = cache.nbytes() + _classifier_scratch_bytes(engine, whole)
+        del cache
+        _collect(whole.read(query, skip=notes), run)
+        _collect(whole.answer(query, margins={i: notes[i] for i in kept if notes[i]}), run)
+        run.seconds = time.perf_counter() - t
+    run.add(runner.meter)
+    run.margins = [(i, notes[i], i in kept) for i in sorted(notes)]
+    run.kv_bytes = max(pass1_kv, whole.cache.nbytes())
+    return run
+
+
+# ---- the reference implementation's pattern --------------------------------------------------------------------
+def _dynamic_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+class _ReferenceRunner:
+    """Prefill and greedy decode the way the public WiM code does: DynamicCache, an all-ones attention mask
+    over cache + new tokens, and the logits of every position (it has no logits_to_keep)."""
+
+    def __init__(self, engine, stop_ids: set[int]):
+        self.model, self.tokenizer = engine.lm.model, engine.lm.tokenizer
+        self.device = engine.lm.device
+        self.stop_ids = stop_ids
+        self.meter = Meter()
+        self.peak_kv = 0
+        self.caches: list[DynamicCache] = []
+
+    def new_cache(self) -> DynamicCache:
+        cache = DynamicCache()
+        self.caches.append(cache)
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        past = cache.get_seq_length()
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        mask = torch.ones(1, past + len(ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True)
+        self.peak_kv = max(self.peak_kv, sum(_dynamic_bytes(c) for c in self.caches))
+        return out.logits[0, -1].float()
+
+    def prefill(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        t = time.perf_counter()
+        logits = self.forward(ids, cache)
+        self.meter.prefill_seconds += time.perf_counter() - t
+        self.meter.prefill_tokens += len(ids)
+        return logits
+
+    def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> str:
+        """Greedy, with the engine's accounting: the last chosen token is never fed back."""
+        ids: list[int] = []
+        for i in range(max_tokens):
+            token = int(torch.argmax(logits))
+            if token in self.stop_ids:
+                break
+            ids.append(token)
+            self.meter.decode_tokens += 1
+            if i + 1 == max_tokens:
+                break
+            t = time.perf_counter()
+            logits = self.forward([token], cache)
+            self.meter.decode_seconds += time.perf_counter() - t
+        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
+
+
+def _reference_pattern(engine, text, query, settings, fixed) -> Run:
+    if settings.classifier not in ("llm", "none"):
+        raise ValueError("the reference pattern classifies with the model itself (classifier llm) or not at all")
+    # The engine's reading of the same text gives the same segments and the same answer prompt; its own
+    # cache is allocated on first use, which never comes.
+    reading = engine.open(text, replace(settings, mode="wim"))
+    layout = engine.layout
+    judge = LLMClassifier(reading.runner, layout)  # for its YES/NO token sets and prompt length limit
+    ref = _ReferenceRunner(engine, set() if fixed else reading.runner.stop_ids)
+    doc, scratch = ref.new_cache(), ref.new_cache()
+    run = Run("reference")
+    notes: dict[int, str] = {}
+    kept: list[int] = []
+    t = time.perf_counter()
+    ref.prefill(layout.prefix, doc)
+    for seg in reading.segments:
+        ref.prefill(reading.doc.segment_ids(seg), doc)
+        boundary = doc.get_seq_length()
+        logits = ref.prefill(layout.suffix("margin", query=query), doc)
+        notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)
+        doc.crop(boundary - doc.get_seq_length())  # slicing back to the segment boundary
+        if settings.classifier == "llm":
+            ids = layout.standalone("classify", query=query, margin=notes[seg.index])[-judge.scratch.capacity:]
+            probs = torch.softmax(ref.prefill(ids, scratch), dim=-1)
+            yes, no = float(probs[list(judge.yes)].sum()), float(probs[list(judge.no)].sum())
+            if (yes / (yes + no) if yes + no > 0 else 0.0) >= 0.5:
+                kept.append(seg.index)
+            scratch.crop(-scratch.get_seq_length())  # the public code empties its classifier cache the same way
+        else:
+            kept.append(seg.index)
+    ids, used, _ = reading._answer_prompt(query, {i: notes[i] for i in kept if notes[i]})
+    logits = ref.prefill(ids, doc)
+    room = reading.limit - doc.get_seq_length()
+    run.answer = ref.decode(doc, logits, min(settings.answer_tokens, room))
+    run.seconds = time.perf_counter() - t
+    run.add(ref.meter)
+    run.margins = [(i, notes[i], i in kept) for i in sorted(notes)]
+    run.kv_bytes = ref.peak_kv
+    return run
+
+
+# ---- margins only (quality eval) -------------------------------------------------------------------------------
+MARGINS_ONLY_PROMPT = ("While reading a document, these notes were written in the margins:\n{margins}\n\n"
+                       "Using only the notes, answer the question: {query}\nAnswer in a few words.")
+
+
+def margins_only(engine, query: str, notes: dict[int, str], answer_tokens: int) -> str:
+    """Answer from the margins alone: a short conversation (system, notes + question) on a fresh cache."""
+    lm = engine.lm
+    lines = "\n".join(f"- (part {i + 1}) {text}" for i, text in sorted(notes.items()) if text) or "(none)"
+    messages = [{"role": "system", "content": prompt("system")},
+                {"role": "user", "content": MARGINS_ONLY_PROMPT.format(margins=lines, query=query)}]
+    ids = engine.layout.encode(lm.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                add_generation_prompt=True))
+    runner = Runner(lm.model, lm.tokenizer, lm.device)
+    cache = make_cache(lm.model, len(ids) + answer_tokens + 1)
+    logits = runner.prefill(ids, cache)
+    return "".join(piece for _, piece in runner.decode(cache, logits, answer_tokens)).strip()

@@ -1,0 +1,340 @@
+"""Answer quality of WiM (three margin classifiers), plain long-context reading, RAG, and margins alone, on
+generated long-context tasks. `python -m bench.eval --modes wim,llm,rag,margins-only --task multihop --n 10
+--length 4000` (or `--quick`).
+
+Cost is in reading the document, so each case is read once per reading pattern:
+- one `wim` read (margins written, no classifier) serves `wim-llm`, `wim-embedding` and `wim-none`: the margins
+  are classified afterwards (classification never touches the document cache) and each selection is answered
+  from the same cache as a follow-up; `margins-only` answers from the same margins on a fresh cache;
+- `llm` and `rag` read once each.
+Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
+skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import re
+import string
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
+from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
+
+WIM_MODES = ("wim-llm", "wim-embedding", "wim-none")
+MODES = (*WIM_MODES, "llm", "rag", "margins-only")
+ALIASES = {"wim": WIM_MODES}
+LENGTHS = (4000, 7200)  # "4k" and "8k": 7.2k leaves the 8,192-token window room for 8 margins and the answer
+
+
+# ---- scoring -------------------------------------------------------------------------------------------------
+def normalize(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower().replace("’", "'")
+    text = "".join(" " if c in string.punctuation else c for c in text)
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+def short_score(prediction: str, answers: list[str]) -> dict:
+    """exact: the normalised answer equals a gold one; contained: a gold answer's words appear, in order and
+    adjacent, in it (the BABILong-style criterion; it counts exact matches too)."""
+    pred = normalize(prediction)
+    padded = f" {pred} "
+    exact = any(pred == normalize(a) for a in answers)
+    contained = any(normalize(a) and f" {normalize(a)} " in padded for a in answers)
+    return {"exact": exact, "contained": exact or contained, "score": float(exact or contained)}
+
+
+def list_score(prediction: str, gold: list[str]) -> dict:
+    """Set F1 of the listed items against the gold set: each listed item counts once, matched to a gold item
+    whose name it contains; items matching none are false positives."""
+    pieces = [normalize(p) for p in re.split(r"[,;\n]|\band\b|\d+\.", prediction)]
+    pieces = [p for p in pieces if p]
+    found, false_pos = set(), 0
+    for piece in dict.fromkeys(pieces):
+        hit = next((g for g in gold if f" {normalize(g)} " in f" {piece} "), None)
+        if hit is None:
+            false_pos += 1
+        else:
+            found.add(hit)
+    tp = len(found)
+    precision = tp / (tp + false_pos) if tp + false_pos else 0.0
+    recall = tp / len(gold)
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "score": f1}
+
+
+def score(case: Case, prediction: str) -> dict:
+    return list_score(prediction, case.answers) if case.kind == "list" else short_score(prediction, case.answers)
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean."""
+    if not values:
+        return 0.0, 1.0
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(iterations))
+    return means[int(0.025 * iterations)], means[int(0.975 * iterations) - 1]
+
+
+# ---- running the modes on one case ------------------------------------------------------------------------------
+class Evaluator:
+    def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int):
+        self.engine = engine
+        self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
+
+    def settings(self, case: Case, mode: str):
+        from engine import Settings
+        tok = self.engine.lm.tokenizer
+        size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
+        return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
+                        answer_tokens=case.answer_tokens, classifier="none")
+
+    def run(self, case: Case, modes: list[str], stored: dict[str, dict]) -> dict[str, dict]:
+        """Records for the `modes` not yet in `stored` (mode -> record)."""
+        from engine import Answer
+        from engine.classify import Classifier
+        from .baselines import margins_only
+        out: dict[str, dict] = {}
+        wim_needed = [m for m in modes if m in WIM_MODES and m not in stored]
+        read = stored.get("wim-read")
+        if wim_needed or ("margins-only" in modes and "margins-only" not in stored and read is None):
+            base = self.settings(case, "wim")
+            t = time.perf_counter()
+            reading = self.engine.open(case.text, base)
+            events = list(reading.read(case.query))
+            read_s = time.perf_counter() - t
+            margins = {i: m.text for i, m in sorted(reading.margins.items())}
+            verdicts = {}
+            for method in ("llm", "embedding"):
+                judge = Classifier(method, reading.runner, self.engine.layout, base.embedding_threshold)
+                verdicts[method] = {i: bool(judge(case.query, text)[0]) if text else False
+                                    for i, text in margins.items()}
+            verdicts["none"] = {i: bool(text) for i, text in margins.items()}
+            read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
+                    "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
+                    "windows": 1 + sum(e.kind == "window" for e in events)}
+            out["wim-read"] = read
+            answered: dict[tuple, dict] = {}  # selection -> record: two classifiers keeping the same margins
+            for mode in wim_needed:           # get the same (greedy) answer, computed once
+                chosen = [i for i, keep in verdicts[mode.split("-", 1)[1]].items() if keep]
+                if tuple(chosen) in answered:
+                    same = answered[tuple(chosen)]
+                    out[mode] = same | {"mode": mode, "same_selection_as": same["mode"]}
+                    continue
+                t = time.perf_counter()
+                answer = [e for e in reading.answer(case.query, margins=chosen) if isinstance(e, Answer)][0]
+                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen)
+                answered[tuple(chosen)] = out[mode]
+            del reading
+        if "margins-only" in modes and "margins-only" not in stored:
+            margins = {int(i): text for i, text in read["margins"].items()}  # stored JSON has string keys
+            # The notes WiM's default (LLM) classifier keeps: the same ones the wim-llm answer sees.
+            keep = sorted(int(i) for i, k in read["verdicts"]["llm"].items() if k and margins[int(i)])
+            chosen = {i: margins[i] for i in keep}
+            t = time.perf_counter()
+            text = margins_only(self.engine, case.query, chosen, case.answer_tokens)
+            out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep)
+        for mode in ("llm", "rag"):
+            if mode in modes and mode not in stored:
+                t = time.perf_counter()
+                events = list(self.engine.run(case.text, case.query, self.settings(case, mode)))
+                answer = [e for e in events if isinstance(e, Answer)][0]
+                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t)
+        return out
+
+    @staticmethod
+    def _record(case: Case, mode: str, prediction: str, seconds: float, **extra) -> dict:
+        return {"mode": mode, "prediction": prediction, "seconds": seconds, **score(case, prediction), **extra}
+
+
+# ---- the record of results --------------------------------------------------------------------------------------
+def fingerprint(engine, args) -> str:
+    """What a stored result depends on: model, dtype, reading settings, prompts and seed."""
+    from engine.prompts import PROMPT_DIR
+    from .baselines import MARGINS_ONLY_PROMPT
+    parts = [engine.lm.name, str(engine.lm.dtype), args.margin_tokens, args.segments, args.max_segment_tokens,
+             args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
+
+
+def load_records(path: Path, fp: str) -> dict[str, dict[str, dict]]:
+    """case key -> mode -> record, for records made with this fingerprint."""
+    records: dict[str, dict[str, dict]] = defaultdict(dict)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by an interrupted run
+            if r.get("fingerprint") == fp:
+                records[r["case"]][r["mode"]] = r
+    return records
+
+
+def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
+    groups: dict[tuple[str, int], list[Case]] = defaultdict(list)
+    for c in cases:
+        groups[(c.task, c.length if c.task not in FIXED_TASKS else 0)].append(c)
+    rows = []
+    for (task, length), group in groups.items():
+        kind = group[0].kind
+        for mode in modes:
+            got = [records[c.key][mode] for c in group if mode in records.get(c.key, {})]
+            scores = [r["score"] for r in got]
+            n = len(scores)
+            mean = sum(scores) / n if n else None
+            lo, hi = (bootstrap(scores) if kind == "list" else wilson(sum(scores), n)) if n else (None, None)
+            rows.append({"task": task, "length": length or "sample", "mode": mode, "n": n, "score": mean,
+                         "lo": lo, "hi": hi, "metric": "set F1 (bootstrap 95%)" if kind == "list"
+                         else "contained match (Wilson 95%)",
+                         "exact": (sum(r.get("exact", False) for r in got) / n) if n and kind != "list" else None,
+                         "seconds": sum(r["seconds"] for r in got) / n if n else None})
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
+    cells: dict[tuple, dict] = {(r["task"], r["length"], r["mode"]): r for r in rows}
+    keys = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
+    table = []
+    for task, length in keys:
+        line = [task, length]
+        for mode in modes:
+            r = cells[(task, length, mode)]
+            line.append("-" if not r["n"] else f"{r['score']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] n={r['n']}")
+        table.append(line)
+    cost = []
+    for m in modes:
+        done = [r for r in rows if r["mode"] == m and r["n"]]
+        n = sum(r["n"] for r in done)
+        cost.append([m, f"{sum(r['seconds'] * r['n'] for r in done) / n:.1f}" if n else "-"])
+    return "\n".join([
+        "# Answer quality\n",
+        f"{meta['model']}, {meta['dtype']}; documents of {', '.join(str(x) for x in meta['lengths'])} tokens "
+        f"(book prose with the task inserted)"
+        f"{' plus the two shared BABILong samples' if 'babilong-sample' in meta['tasks'] else ''}; "
+        f"segments of about 1/{meta['segments']} of the document (at most {meta['max_segment_tokens']} tokens), margins of at most {meta['margin_tokens']} "
+        f"tokens, greedy decoding; seed {meta['seed']}. n = cases per cell.\n",
+        "Scores: short answers by contained match (a gold answer's normalised words appear in the answer; "
+        "exact matches count) with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
+        "bootstrap interval. wim-llm / wim-embedding / wim-none: WiM answering with the margins each classifier "
+        "keeps (none: all margins); margins-only: the wim-llm notes without the document.\n",
+        md_table(["task", "length", *modes], table), "",
+        "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
+        md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
+                                       if meta.get("wim_read_seconds") else [])), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default="wim,llm,rag,margins-only",
+                        help=f"comma list of {', '.join(MODES)}; `wim` = the three wim-* classifiers")
+    parser.add_argument("--task", "--tasks", dest="tasks", default=",".join((*TASKS, *FIXED_TASKS)),
+                        help=f"comma list of {', '.join((*TASKS, *FIXED_TASKS))}")
+    parser.add_argument("--n", type=int, default=10, help="cases per task and length")
+    parser.add_argument("--length", default=",".join(map(str, LENGTHS)), help="comma list of document lengths")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--segments", type=int, default=8)
+    parser.add_argument("--margin-tokens", type=int, default=64)
+    parser.add_argument("--max-segment-tokens", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="smoke test: one short case per task")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
+                                                                "--quick requires it)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        if args.out is None:
+            parser.error("--quick writes only to a folder given by --out (never over bench/results)")
+        args.n, args.length, args.segments, args.margin_tokens = 1, "500", 4, 16
+        args.tasks = ",".join(t for t in args.tasks.split(",") if t not in FIXED_TASKS)
+    modes = list(dict.fromkeys(m for name in args.modes.split(",") for m in ALIASES.get(name.strip(), [name.strip()])))
+    tasks = [t.strip() for t in args.tasks.split(",")]
+    lengths = [int(x) for x in args.length.split(",")]
+    unknown = [m for m in modes if m not in MODES] + [t for t in tasks if t not in (*TASKS, *FIXED_TASKS)]
+    if unknown:
+        parser.error(f"unknown mode or task: {', '.join(unknown)}")
+    out = args.out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
+
+    engine = load_engine(args.device, args.dtype)
+    tok = engine.lm.tokenizer
+    fp = fingerprint(engine, args)
+    record_path = out / "eval_cases.jsonl"
+    records = load_records(record_path, fp)
+    # Case order: index-major, so every (task, length) cell grows together and an early stop is still balanced.
+    # The fixed samples come after the first round, so that an early stop still has every task.
+    cases: list[Case] = []
+    for i in range(args.n):
+        for length in lengths:
+            cases += [make_case(task, length, i, tok, args.seed) for task in tasks if task not in FIXED_TASKS]
+        if i == 0 and "babilong-sample" in tasks:
+            cases += babilong_samples(tok)
+    if args.quick:
+        for c in cases:
+            c.answer_tokens = 16 if c.kind == "short" else 32
+    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens)
+    meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
+            "segments": args.segments, "margin_tokens": args.margin_tokens,
+            "max_segment_tokens": args.max_segment_tokens, "seed": args.seed, "n": args.n, "tasks": tasks,
+            "modes": modes, "quick": args.quick, "fingerprint": fp}
+
+    def save() -> tuple[Path, Path]:
+        rows = summarise(cases, records, modes)
+        reads = [m["wim-read"]["seconds"] for m in records.values() if "wim-read" in m]
+        meta["wim_read_seconds"] = sum(reads) / len(reads) if reads else None
+        meta["wall_seconds"] = time.perf_counter() - started
+        data = {"meta": meta, "results": rows,
+                "cases": [{"case": c.key, "task": c.task, "length": c.length, "query": c.query, "answers": c.answers,
+                           "info": c.info, "records": records.get(c.key, {})} for c in cases]}
+        return write_results(out, "eval", data, markdown(meta, rows, modes))
+
+    with record_path.open("a", encoding="utf-8") as log_file:
+        for k, case in enumerate(cases):
+            have = records.get(case.key, {})
+            if all(m in have for m in modes):
+                continue
+            t = time.perf_counter()
+            try:
+                new = evaluator.run(case, modes, have)
+            except Exception as exc:  # one failed case (say, a document the engine refuses) must not end the run
+                log(f"{case.key}: {type(exc).__name__}: {exc}")
+                continue
+            for mode, rec in new.items():
+                rec |= {"case": case.key, "fingerprint": fp}
+                records[case.key][mode] = rec
+                log_file.write(json.dumps(rec) + "\n")
+            log_file.flush()
+            scores = " ".join(f"{m}={new[m]['score']:.2f}" for m in modes if m in new)
+            log(f"{k + 1}/{len(cases)} {case.key} ({time.perf_counter() - t:.0f} s) {scores}")
+            save()
+    paths = save()
+    rows = summarise(cases, records, modes)
+    print()
+    print(markdown(meta, rows, modes))
+    print(f"wrote {paths[0]} and {paths[1]} ({meta['wall_seconds'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

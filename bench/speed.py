@@ -1,0 +1,559 @@
+"""Speed and memory of WiM against plain reading, the naive two-pass pattern and the reference implementation's
+pattern, on one model, dtype and document per size. `python -m bench.speed [--quick] [--out DIR]`.
+
+Each mode runs in its own worker process (one per mode and document size), so the peak RSS of one mode never
+hides inside another's. The workers are loaded together, then driven one run at a time, the modes interleaved
+and their order rotated each repetition: the CPU is shared, and a slow minute then lands on every mode alike
+rather than on one. The microbenchmarks (matmul throughput, prefill FLOP/s, decode and truncation against
+context) run in this process before the workers start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .common import (RESULTS, book, fmt_bytes, load_engine, machine, md_table, median, n_tokens, peak_rss_bytes,
+                     prose, reset_peak_rss, rss_bytes, segment_tokens_for, write_results)
+
+MODES = ("wim", "plain", "naive", "reference")
+QUERY = "Where is Walton's expedition going, and what does he hope to find there?"
+FOLLOWUP = "Who is Margaret Saville?"
+BOOK = "pg84.txt"  # Frankenstein: Walton's letters, then Victor's story
+TARGETS = {  # (comparison, bound), as the issue states them
+    "wim_vs_plain": ("<=", 1.3), "naive_vs_wim": (">=", 1.5), "reference_vs_wim": (">=", 1.5),
+    "prefill_efficiency": (">=", 0.5), "followup": ("<=", 0.10), "memory": ("<=", 1.25)}
+
+
+@dataclass(frozen=True)
+class Config:
+    doc_tokens: tuple[int, ...]                 # document sizes
+    reps: dict                                  # doc size -> mode -> repetitions
+    segments: int = 8
+    margin_tokens: int = 64
+    answer_tokens: int = 32
+    prefill: tuple = ((1024, 3, True), (4096, 1, True), (8192, 1, False))  # (tokens, reps, also all-logits?)
+    contexts: tuple[int, ...] = (512, 1024, 2048, 4096, 8000)              # decode / truncate at these lengths
+    steps: int = 5                              # decode steps per context (median)
+    gemm: int = 2048                            # fp32 matmul size for the machine's throughput
+    gemm_bf16: int = 512                        # bf16 is emulated on CPUs without bf16 units: keep it small
+
+
+FULL = Config(
+    doc_tokens=(4000, 7200),  # 7.2k: with 8 margins of 64 tokens and the answer, the 8,192-token window is full
+    # The 8k naive and reference runs cost ~3 minutes each: 2 repetitions keep the whole run near 40 minutes.
+    reps={4000: dict(wim=3, plain=3, naive=3, reference=3), 7200: dict(wim=3, plain=3, naive=2, reference=2)})
+QUICK = Config(doc_tokens=(400,), reps={400: dict(wim=1, plain=1, naive=1, reference=1)}, segments=4,
+               margin_tokens=8, answer_tokens=4, prefill=((128, 1, True), (256, 1, True), (512, 1, True)),
+               contexts=(128, 256, 512), steps=2, gemm=1024, gemm_bf16=256)
+
+
+def document(tokenizer, tokens: int) -> str:
+    text = book(BOOK)
+    return prose(tokenizer, tokens, BOOK, start_char=text.index("_To Mrs. Saville, England._"))
+
+
+def settings_for(tokenizer, text: str, cfg: Config) -> dict:
+    return dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,
+                answer_tokens=cfg.answer_tokens, classifier="llm", temperature=0.0)
+
+
+# ---- worker process: one mode, one document size ----------------------------------------------------------------
+def worker(device: str | None, dtype: str | None) -> None:
+    """Load the model, then answer JSON commands on stdin with JSON results on stdout (one line each)."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed (progress bars, warnings) goes to stderr, never into the protocol
+    import torch
+    from engine import Settings
+    from .baselines import run_mode
+    runtime_rss = rss_bytes()  # Python + torch + transformers, before the model
+    engine = load_engine(device, dtype)
+    cuda = engine.lm.device.type == "cuda"
+    weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters())
+    out.write(json.dumps({"ready": True, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),
+                          "weights_bytes": weights,
+                          "model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."),
+                          "device": str(engine.lm.device)}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        settings = Settings(**cmd["settings"])
+        if cmd.get("warmup"):
+            # First calls pay one-time costs (kernel selection, allocator growth): keep them out of the timings.
+            run_mode(engine, cmd["mode"], cmd["text"], cmd["query"], settings)
+            out.write(json.dumps({"warm": True}) + "\n")
+            continue
+        before = rss_bytes()
+        exact_peak = reset_peak_rss()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        load = os.getloadavg()[0]
+        run = run_mode(engine, cmd["mode"], cmd["text"], cmd["query"], settings, cmd.get("followup"))
+        result = run.to_dict() | {"rss_before": before, "peak_rss": peak_rss_bytes(), "peak_is_run_only": exact_peak,
+                                  "load_before": load, "load_after": os.getloadavg()[0]}
+        if cuda:
+            result["cuda_peak"] = int(torch.cuda.max_memory_allocated())
+        out.write(json.dumps(result) + "\n")
+
+
+class Worker:
+    def __init__(self, mode: str, args, log_dir: Path):
+        self.mode = mode
+        self.log = log_dir / f"worker-{mode}-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "bench.speed", "--worker"]
+        cmd += [f"--device={args.device}"] if args.device else []
+        cmd += [f"--dtype={args.dtype}"] if args.dtype else []
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log.open("w"), text=True, bufsize=1, cwd=Path(__file__).parents[1])
+        self.info: dict = {}
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the {self.mode} worker died:\n{tail}")
+        return json.loads(line)
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+
+    def ask(self, **cmd) -> dict:
+        self.send(**cmd)
+        return self.receive()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+# ---- microbenchmarks (this process) ------------------------------------------------------------------------------
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model) -> "Shape":
+        c = model.config.get_text_config(decoder=True)
+        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.intermediate_size,
+                   c.vocab_size)
+
+    def weight_flops(self) -> int:
+        """Matmul FLOPs per token in the transformer layers: q and o (hidden x hidden), k and v (hidden x kv
+        width), gate, up and down (hidden x intermediate); 2 FLOPs per multiply-add."""
+        d, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * self.layers * (2 * d * self.heads * self.head_dim + 2 * d * kv + 3 * d * self.intermediate)
+
+    def attention_flops(self, start: int, n: int) -> int:
+        """QK^T and AV for n new tokens after `start` cached ones, causal: token p attends to p+1 keys."""
+        keys = n * start + n * (n + 1) // 2
+        return 4 * self.layers * self.heads * self.head_dim * keys
+
+    def head_flops(self, rows: int) -> int:
+        return 2 * self.hidden * self.vocab * rows
+
+    def prefill_flops(self, n: int, logits_rows: int = 1) -> int:
+        return n * self.weight_flops() + self.attention_flops(0, n) + self.head_flops(logits_rows)
+
+
+def gemm_gflops(n: int, dtype, device, reps: int = 3) -> float:
+    """Best of `reps` n x n x n products: the most this machine's matmul does right now."""
+    import torch
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _sync(device) -> None:
+    import torch
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+def microbenchmarks(engine, cfg: Config, log) -> dict:
+    import torch
+    with torch.inference_mode():  # the cache's tensors are inference tensors: touch them only in this mode
+        return _microbenchmarks(engine, cfg, log)
+
+
+def _microbenchmarks(engine, cfg: Config, log) -> dict:
+    import torch
+    from transformers import DynamicCache
+    from engine.cache import make_cache
+    from engine.generate import Runner
+    lm = engine.lm
+    model, device = lm.model, lm.device
+    shape = Shape.of(model)
+    longest = max(n for n, _, _ in cfg.prefill)
+    ids = lm.tokenizer(document(lm.tokenizer, longest + 200), add_special_tokens=False)["input_ids"]
+    ids = (ids * (longest // len(ids) + 1))[:longest]
+    runner = Runner(model, lm.tokenizer, device)
+    warm = make_cache(model, 64)
+    list(runner.decode(warm, runner.prefill(ids[:32], warm), 4))  # first forward passes pay one-time costs
+    del warm
+    out = {"shape": asdict(shape), "weight_flops_per_token": shape.weight_flops(),
+           "gemm": {"fp32_n": cfg.gemm, "bf16_n": cfg.gemm_bf16}}
+    log("matmul throughput")
+    out["gemm"]["bf16_gflops"] = gemm_gflops(cfg.gemm_bf16, torch.bfloat16, device, reps=2)
+
+    @torch.inference_mode()
+    def all_logits(n: int) -> float:
+        cache = make_cache(model, n)
+        t = time.perf_counter()
+        model(input_ids=torch.tensor([ids[:n]], device=device),
+              position_ids=torch.arange(n, device=device).unsqueeze(0), cache=cache, use_cache=True,
+              logits_to_keep=0)
+        _sync(device)
+        return time.perf_counter() - t
+
+    rows, gemms, cache = [], [], None
+    for n, reps, compare in cfg.prefill:
+        log(f"prefill {n} tokens x{reps}")
+        last, every, local = [], [], []
+        for _ in range(reps):
+            # Measured right before each prefill: "the machine's limit" at that moment of a shared CPU.
+            local.append(gemm_gflops(cfg.gemm, torch.float32, device))
+            del cache
+            cache = make_cache(model, max(n, max(cfg.contexts) + cfg.steps + 1))
+            t = time.perf_counter()
+            runner.prefill(ids[:n], cache)
+            _sync(device)
+            last.append(time.perf_counter() - t)
+            if compare:
+                every.append(all_logits(n))
+        gemms += local
+        flops = shape.prefill_flops(n)
+        gflops = flops / median(last) / 1e9
+        rows.append({"tokens": n, "n": reps, "seconds": median(last), "gflop": flops / 1e9,
+                     "attention_share": shape.attention_flops(0, n) / flops, "gflops": gflops,
+                     "matmul_gflops": median(local), "ratio": gflops / median(local),
+                     "all_logits_seconds": median(every) if every else None,
+                     "all_logits_ratio": median(every) / median(last) if every else None,
+                     "all_logits_extra_gflop": shape.head_flops(n - 1) / 1e9})
+    out["gemm"]["fp32_gflops"] = median(gemms)
+    out["prefill"] = rows
+
+    # `cache` now holds the longest prefill: decode and truncate at each context length inside it.
+    log("decode and truncation against context length")
+    token = ids[10]
+
+    @torch.inference_mode()
+    def dynamic_step(dyn) -> float:
+        past = dyn.get_seq_length()
+        t = time.perf_counter()
+        model(input_ids=torch.tensor([[token]], device=device),
+              attention_mask=torch.ones(1, past + 1, dtype=torch.long, device=device),
+              position_ids=torch.tensor([[past]], device=device), cache=dyn, use_cache=True)
+        _sync(device)
+        return time.perf_counter() - t
+
+    def restore(length: int) -> None:
+        # Bench-only: the buffers still hold the prefilled keys/values past a truncation, so moving the length
+        # back restores them exactly (nothing has overwritten those slots).
+        for layer in cache.layers:
+            layer.length = length
+
+    def clone_dynamic(length: int) -> DynamicCache:
+        return DynamicCache(ddp_cache_data=[(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                                            for layer in cache.layers])
+
+    cut = 64  # a margin's worth of tokens
+    one = [torch.zeros_like(layer.keys[:, :, :1]) for layer in cache.layers]
+    points = []
+    for ctx in cfg.contexts:
+        ours, theirs, trunc, crop, trunc_write, crop_write = [], [], [], [], [], []
+        for _ in range(cfg.steps):
+            restore(ctx)
+            t = time.perf_counter()
+            runner.forward([token], cache)
+            _sync(device)
+            ours.append(time.perf_counter() - t)
+            dyn = clone_dynamic(ctx)
+            theirs.append(dynamic_step(dyn))
+            dyn.crop(-1)
+            # Cut back by a margin, then write one token (what the next forward pass does first).
+            restore(ctx)
+            t = time.perf_counter()
+            cache.truncate(ctx - cut)
+            trunc.append(time.perf_counter() - t)
+            for i, layer in enumerate(cache.layers):
+                layer.update(one[i], one[i])
+            trunc_write.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            dyn.crop(-cut)
+            crop.append(time.perf_counter() - t)
+            for i, layer in enumerate(dyn.layers):
+                layer.update(one[i], one[i])  # torch.cat: copies the whole remaining cache
+            crop_write.append(time.perf_counter() - t)
+            del dyn
+        points.append({"context": ctx, "n": cfg.steps, "decode_ms": 1e3 * median(ours),
+                       "decode_dynamic_ms": 1e3 * median(theirs), "truncate_us": 1e6 * median(trunc),
+                       "truncate_write_us": 1e6 * median(trunc_write), "crop_us": 1e6 * median(crop),
+                       "crop_write_us": 1e6 * median(crop_write)})
+    first, last = points[0], points[-1]
+    out["context"] = {"points": points, "ratio": {
+        "decode": last["decode_ms"] / first["decode_ms"],
+        "decode_dynamic": last["decode_dynamic_ms"] / first["decode_dynamic_ms"],
+        "truncate_write": last["truncate_write_us"] / first["truncate_write_us"],
+        "crop_write": last["crop_write_us"] / first["crop_write_us"]}}
+    del cache
+    return out
+
+
+# ---- the mode runs -----------------------------------------------------------------------------------------------
+def mode_runs(cfg: Config, args, tokenizer, log) -> tuple[dict, dict, dict]:
+    runs: dict = {}
+    workers_info: dict = {}
+    docs: dict = {}
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-speed-"))
+    for size in cfg.doc_tokens:
+        text = document(tokenizer, size)
+        settings = settings_for(tokenizer, text, cfg)
+        docs[size] = {"tokens": n_tokens(tokenizer, text), "chars": len(text), "settings": settings,
+                      "query": QUERY, "followup": FOLLOWUP}
+        log(f"document {size}: {docs[size]['tokens']} tokens, segments of <= {settings['segment_tokens']}; "
+            f"starting {len(MODES)} workers")
+        # Loaded together (nothing is timed while they load); each mode in a process of its own.
+        workers = {m: Worker(m, args, log_dir) for m in MODES}
+        warm_text = document(tokenizer, 160)
+        warm = dict(settings_for(tokenizer, warm_text, cfg), segment_tokens=96, margin_tokens=2, answer_tokens=2)
+        for m, w in workers.items():
+            w.info = w.receive()
+            # One at a time: two multi-threaded processes on the same cores slow each other far more than 2x.
+            w.ask(mode=m, text=warm_text, query=QUERY, settings=warm, warmup=True)
+        workers_info[size] = {m: w.info for m, w in workers.items()}
+        runs[size] = {m: [] for m in MODES}
+        reps = cfg.reps[size] if args.reps is None else dict.fromkeys(MODES, args.reps)
+        for rep in range(max(reps.values())):
+            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate: no mode always goes first
+            for m in order:
+                if rep >= reps[m]:
+                    continue
+                t = time.perf_counter()
+                result = workers[m].ask(mode=m, text=text, query=QUERY, settings=settings,
+                                        followup=FOLLOWUP if m == "wim" else None)
+                runs[size][m].append(result)
+                log(f"  {size} rep {rep + 1} {m:9s} {result['seconds']:7.1f} s  (wall {time.perf_counter() - t:.0f} s)")
+        for w in workers.values():
+            w.close()
+    return runs, workers_info, docs
+
+
+# ---- assembling the rows -----------------------------------------------------------------------------------------
+def _tokens(run: dict) -> dict:
+    return {"prefill": run["prefill_tokens"], "decode": run["decode_tokens"]}
+
+
+def assemble(cfg: Config, micro: dict, runs: dict, workers_info: dict, docs: dict) -> dict:
+    rows: dict = {k: [] for k in ("1_wim_vs_plain", "2_naive_vs_wim", "3_reference_vs_wim", "4_prefill_efficiency",
+                                  "5_decode_and_truncate", "6_followup", "7_memory")}
+    for size, by_mode in runs.items():
+        sec = {m: median([r["seconds"] for r in rs]) for m, rs in by_mode.items()}
+        n = {m: len(rs) for m, rs in by_mode.items()}
+        tok = {m: _tokens(rs[0]) for m, rs in by_mode.items()}
+        label = f"{docs[size]['tokens']:,}-token doc"
+        rows["1_wim_vs_plain"].append({"doc": label, "wim_s": sec["wim"], "plain_s": sec["plain"],
+                                       "ratio": sec["wim"] / sec["plain"], "n": [n["wim"], n["plain"]],
+                                       "tokens": {"wim": tok["wim"], "plain": tok["plain"]}})
+        rows["2_naive_vs_wim"].append({"doc": label, "naive_s": sec["naive"], "wim_s": sec["wim"],
+                                       "ratio": sec["naive"] / sec["wim"], "n": [n["naive"], n["wim"]],
+                                       "tokens": {"naive": tok["naive"], "wim": tok["wim"]}})
+        wim0 = by_mode["wim"][0]
+        identical = all(r["margins"] == wim0["margins"] and r["answer"] == wim0["answer"]
+                        for r in by_mode["reference"] + by_mode["wim"])
+        rows["3_reference_vs_wim"].append({
+            "doc": label, "reference_s": sec["reference"], "wim_s": sec["wim"],
+            "ratio": sec["reference"] / sec["wim"], "n": [n["reference"], n["wim"]],
+            "tokens": {"reference": tok["reference"], "wim": tok["wim"]}, "identical": identical,
+            "margins": [m[1] for m in wim0["margins"]], "kept": [m[2] for m in wim0["margins"]],
+            "answer": wim0["answer"], "reference_answer": by_mode["reference"][0]["answer"]})
+        first = sec["wim"]
+        follow = median([r["followup_seconds"] for r in by_mode["wim"]])
+        rows["6_followup"].append({"doc": label, "first_read_s": first, "followup_s": follow,
+                                   "ratio": follow / first, "n": n["wim"],
+                                   "followup_tokens": {"prefill": wim0["followup_prefill_tokens"],
+                                                       "decode": wim0["followup_decode_tokens"]}})
+        for m, rs in by_mode.items():
+            info = workers_info[size][m]
+            peak = max(r.get("cuda_peak", r["peak_rss"]) for r in rs)
+            kv = max(r["kv_bytes"] for r in rs)
+            rows["7_memory"].append({
+                "doc": label, "mode": m, "n": len(rs), "measure": "cuda peak" if "cuda_peak" in rs[0] else "peak RSS",
+                "peak_bytes": peak, "weights_bytes": info["weights_bytes"], "kv_bytes": kv,
+                "runtime_rss": info["runtime_rss"], "loaded_rss": info["loaded_rss"],
+                "rss_before_run": min(r["rss_before"] for r in rs),
+                "ratio": peak / (info["weights_bytes"] + kv),
+                # Without the ~240 MiB that Python, torch and transformers take before any model is loaded.
+                "ratio_without_runtime": (peak - info["runtime_rss"]) / (info["weights_bytes"] + kv)})
+    rows["4_prefill_efficiency"] = micro["prefill"]
+    rows["5_decode_and_truncate"] = micro["context"]
+    return rows
+
+
+def summary(rows: dict) -> list[list]:
+    """One line per measured figure: row, what, where, value, target, met, n."""
+    def line(row, what, where, value, key, n):
+        op, bound = TARGETS[key] if key else ("", None)
+        met = "" if bound is None else ("yes" if (value <= bound if op == "<=" else value >= bound) else "NO")
+        shown = f"{value:.0%}" if key in ("prefill_efficiency", "followup") else f"{value:.2f}x"
+        target = "" if bound is None else (f"{op} {bound:.0%}" if key in ("prefill_efficiency", "followup")
+                                            else f"{op} {bound}x")
+        return [row, what, where, shown, target, met, n]
+
+    out = []
+    for r in rows["1_wim_vs_plain"]:
+        out.append(line(1, "WiM / plain wall time", r["doc"], r["ratio"], "wim_vs_plain", r["n"]))
+    for r in rows["2_naive_vs_wim"]:
+        out.append(line(2, "naive two-pass / WiM", r["doc"], r["ratio"], "naive_vs_wim", r["n"]))
+    for r in rows["3_reference_vs_wim"]:
+        out.append(line(3, f"reference / WiM (identical: {'yes' if r['identical'] else 'NO'})", r["doc"],
+                        r["ratio"], "reference_vs_wim", r["n"]))
+    for r in rows["4_prefill_efficiency"]:
+        out.append(line(4, "prefill FLOP/s / matmul FLOP/s", f"{r['tokens']:,} tokens", r["ratio"],
+                        "prefill_efficiency", r["n"]))
+        if r["all_logits_ratio"]:
+            out.append(line(4, "all-position logits / last-only, time", f"{r['tokens']:,} tokens",
+                            r["all_logits_ratio"], None, r["n"]))
+    ctx = rows["5_decode_and_truncate"]
+    span = f"{ctx['points'][0]['context']:,} -> {ctx['points'][-1]['context']:,}"
+    n = ctx["points"][0]["n"]
+    out.append(line(5, "decode step growth (ours)", span, ctx["ratio"]["decode"], None, n))
+    out.append(line(5, "decode step growth (DynamicCache)", span, ctx["ratio"]["decode_dynamic"], None, n))
+    out.append(line(5, "truncate + write growth (ours)", span, ctx["ratio"]["truncate_write"], None, n))
+    out.append(line(5, "crop + write growth (DynamicCache)", span, ctx["ratio"]["crop_write"], None, n))
+    for r in rows["6_followup"]:
+        out.append(line(6, "follow-up / first read", r["doc"], r["ratio"], "followup", r["n"]))
+    for r in rows["7_memory"]:
+        out.append(line(7, f"peak / (weights + KV), {r['mode']}", r["doc"], r["ratio"],
+                        "memory" if r["mode"] == "wim" else None, r["n"]))
+        if r["mode"] == "wim":
+            out.append(line(7, "same, less the runtime's own RSS, wim", r["doc"], r["ratio_without_runtime"],
+                            "memory", r["n"]))
+    return out
+
+
+def markdown(data: dict) -> str:
+    meta, rows = data["meta"], data["rows"]
+    parts = [f"# Speed and memory\n\n{meta['model']}, {meta['dtype']} on {meta['device']} ({meta['machine']['cpu']}, "
+             f"{meta['machine']['torch_threads']} threads); {meta['segments']} segments, {meta['margin_tokens']}-token "
+             f"margins, {meta['answer_tokens']}-token answers, every margin and answer decoded to full length; "
+             f"medians of n runs. Wall time {meta['wall_seconds'] / 60:.1f} min; CPU load average during the runs "
+             f"{meta['load']['median']:.1f} (min {meta['load']['min']:.1f}, max {meta['load']['max']:.1f}) on "
+             f"{meta['machine']['cores']} cores: the CPU was shared, so compare ratios, not seconds.\n",
+             md_table(["row", "measure", "where", "value", "target", "met", "n"], summary(rows)), ""]
+    t = []
+    for key, other in (("1_wim_vs_plain", "plain"), ("2_naive_vs_wim", "naive"), ("3_reference_vs_wim", "reference")):
+        for r in rows[key]:
+            t.append([key[0], r["doc"], f"{r['wim_s']:.1f}", f"{r[other + '_s']:.1f} ({other})",
+                      f"{r['tokens']['wim']['prefill']:,} / {r['tokens']['wim']['decode']:,}",
+                      f"{r['tokens'][other]['prefill']:,} / {r['tokens'][other]['decode']:,}"])
+    parts += ["## Wall time and token accounting (prefill / decode tokens)\n",
+              md_table(["row", "doc", "WiM s", "other s", "WiM tokens", "other tokens"], t), ""]
+    parts += ["## Prefill against the machine's matmul throughput\n",
+              f"fp32 {meta['gemm']['fp32_n']}^3 matmul: {meta['gemm']['fp32_gflops']:.1f} GFLOP/s (median, measured "
+              f"before each prefill); bf16 {meta['gemm']['bf16_n']}^3: {meta['gemm']['bf16_gflops']:.2f} GFLOP/s. "
+              f"Model matmul FLOPs per token: {meta['weight_flops_per_token'] / 1e6:.1f} M in the layers, plus "
+              "attention (causal) and the LM head for the kept logits.\n",
+              md_table(["tokens", "s", "GFLOP", "attention share", "GFLOP/s", "of matmul", "all-logits s", "ratio",
+                        "n"],
+                       [[f"{r['tokens']:,}", f"{r['seconds']:.2f}", f"{r['gflop']:.0f}", f"{r['attention_share']:.0%}",
+                         f"{r['gflops']:.1f}", f"{r['ratio']:.0%}",
+                         f"{r['all_logits_seconds']:.2f}" if r["all_logits_seconds"] else "-",
+                         f"{r['all_logits_ratio']:.2f}x" if r["all_logits_ratio"] else "-", r["n"]]
+                        for r in rows["4_prefill_efficiency"]]), ""]
+    parts += ["## Decode step and truncation against context length\n",
+              "Truncate/crop: cut back 64 tokens; '+ write' adds writing one token, which for DynamicCache is a "
+              "torch.cat of the whole cache.\n",
+              md_table(["context", "decode ms (ours)", "decode ms (DynamicCache)", "truncate us", "truncate+write us",
+                        "crop us", "crop+write us"],
+                       [[f"{p['context']:,}", f"{p['decode_ms']:.0f}", f"{p['decode_dynamic_ms']:.0f}",
+                         f"{p['truncate_us']:.0f}", f"{p['truncate_write_us']:.0f}", f"{p['crop_us']:.0f}",
+                         f"{p['crop_write_us']:.0f}"] for p in rows["5_decode_and_truncate"]["points"]]), ""]
+    parts += ["## Memory\n",
+              "Peak: RSS of the mode's own process during its runs (CUDA: max allocated). Runtime: RSS after "
+              "importing Python, torch and transformers, before the model; loaded: after loading it.\n",
+              md_table(["doc", "mode", "peak", "weights", "KV cache", "runtime", "loaded", "before run", "ratio",
+                        "ratio less runtime", "n"],
+                       [[r["doc"], r["mode"], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["weights_bytes"]),
+                         fmt_bytes(r["kv_bytes"]), fmt_bytes(r["runtime_rss"]), fmt_bytes(r["loaded_rss"]),
+                         fmt_bytes(r["rss_before_run"]), f"{r['ratio']:.2f}x", f"{r['ratio_without_runtime']:.2f}x",
+                         r["n"]] for r in rows["7_memory"]]), ""]
+    for r in rows["3_reference_vs_wim"]:
+        parts += [f"## Margins and answer, {r['doc']} (identical to the reference pattern: "
+                  f"{'yes' if r['identical'] else 'NO'})\n"]
+        parts += [f"{i + 1}. [{'kept' if k else 'dropped'}] {m!r}"
+                  for i, (m, k) in enumerate(zip(r["margins"], r["kept"]))]
+        parts += ["", f"Answer: {r['answer']!r}", ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: one small document, one repetition")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
+                                                                "--quick requires it)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions for every mode (default: per config)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="default: the engine's choice (fp32 on this CPU)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.device, args.dtype)
+        return 0
+    if args.quick and args.out is None:
+        parser.error("--quick writes only to a folder given by --out (never over bench/results)")
+    cfg = QUICK if args.quick else FULL
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
+
+    engine = load_engine(args.device, args.dtype)
+    lm = engine.lm
+    log(f"{lm.name}, {lm.dtype} on {lm.device}")
+    micro = microbenchmarks(engine, cfg, log)
+    tokenizer = lm.tokenizer
+    meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
+            "machine": machine(), "quick": args.quick, "segments": cfg.segments, "margin_tokens": cfg.margin_tokens,
+            "answer_tokens": cfg.answer_tokens, "config": asdict(cfg), "gemm": micro["gemm"],
+            "shape": micro["shape"], "weight_flops_per_token": micro["weight_flops_per_token"]}
+    del engine, lm
+    runs, workers_info, docs = mode_runs(cfg, args, tokenizer, log)
+    meta["documents"] = docs
+    loads = [r[k] for size in runs.values() for rs in size.values() for r in rs for k in ("load_before", "load_after")]
+    meta["load"] = {"median": median(loads), "min": min(loads), "max": max(loads)}
+    meta["wall_seconds"] = time.perf_counter() - started
+    rows = assemble(cfg, micro, runs, workers_info, docs)
+    data = {"meta": meta, "targets": TARGETS, "rows": rows, "runs": runs}
+    md = markdown(data)
+    paths = write_results(args.out or RESULTS, "speed", data, md)
+    print()
+    print(md_table(["row", "measure", "where", "value", "target", "met", "n"], summary(rows)))
+    for r in rows["3_reference_vs_wim"]:
+        print(f"\nreference pattern vs WiM, {r['doc']}: margins and answer identical: {r['identical']}")
+        print(f"  answer (WiM): {r['answer']!r}\n  answer (reference): {r['reference_answer']!r}")
+    print(f"\nwrote {paths[0]} and {paths[1]} in {meta['wall_seconds'] / 60:.1f} min")
+    assert all(r["identical"] for r in rows["3_reference_vs_wim"]), \
+        "the reference pattern's margins or answer differ from the engine's under greedy decoding"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
