@@ -10,6 +10,7 @@ context) run in this process before the workers start.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -76,7 +77,9 @@ def worker(device: str | None, dtype: str | None) -> None:
     engine = load_engine(device, dtype)
     cuda = engine.lm.device.type == "cuda"
     weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters())
-    out.write(json.dumps({"ready": True, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[1].glob("engine/*.py"))
+                                   + [Path(__file__).with_name("baselines.py")])).hexdigest()[:12]
+    out.write(json.dumps({"ready": True, "code": code, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),
                           "weights_bytes": weights,
                           "model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."),
                           "device": str(engine.lm.device)}) + "\n")
@@ -318,7 +321,37 @@ def _microbenchmarks(engine, cfg: Config, log) -> dict:
 
 
 # ---- the mode runs -----------------------------------------------------------------------------------------------
-def mode_runs(cfg: Config, args, tokenizer, log) -> tuple[dict, dict, dict]:
+class Progress:
+    """Each finished piece of a run (the microbenchmarks, one mode run) appended to a JSONL file as it finishes,
+    so a run that is stopped resumes where it was: a full run takes long on a shared CPU. Pieces count only for
+    the same configuration."""
+
+    def __init__(self, path: Path, config: dict, fresh: bool):
+        self.path = path
+        self.key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        self.done: dict[str, dict] = {}
+        if path.exists() and not fresh:
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # cut off by the stop
+                if record.get("key") == self.key:
+                    self.done[record["id"]] = record["data"]
+        elif path.exists():
+            path.unlink()
+
+    def get(self, piece: str) -> dict | None:
+        return self.done.get(piece)
+
+    def put(self, piece: str, data: dict) -> None:
+        self.done[piece] = data
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": self.key, "id": piece, "data": data}, default=str) + "\n")
+
+
+def mode_runs(cfg: Config, args, tokenizer, progress: Progress, log) -> tuple[dict, dict, dict]:
     runs: dict = {}
     workers_info: dict = {}
     docs: dict = {}
@@ -328,31 +361,34 @@ def mode_runs(cfg: Config, args, tokenizer, log) -> tuple[dict, dict, dict]:
         settings = settings_for(tokenizer, text, cfg)
         docs[size] = {"tokens": n_tokens(tokenizer, text), "chars": len(text), "settings": settings,
                       "query": QUERY, "followup": FOLLOWUP}
+        reps = cfg.reps[size] if args.reps is None else dict.fromkeys(MODES, args.reps)
+        plan = [(rep, m) for rep in range(max(reps.values()))
+                for m in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotated: no mode always first
+                if rep < reps[m]]
+        todo = [(rep, m) for rep, m in plan if progress.get(f"run/{size}/{m}/{rep}") is None]
         log(f"document {size}: {docs[size]['tokens']} tokens, segments of <= {settings['segment_tokens']}; "
-            f"starting {len(MODES)} workers")
+            f"{len(plan) - len(todo)} of {len(plan)} runs already done")
         # Loaded together (nothing is timed while they load); each mode in a process of its own.
-        workers = {m: Worker(m, args, log_dir) for m in MODES}
+        workers = {m: Worker(m, args, log_dir) for m in MODES if any(m == mode for _, mode in todo)}
         warm_text = document(tokenizer, 160)
         warm = dict(settings_for(tokenizer, warm_text, cfg), segment_tokens=96, margin_tokens=2, answer_tokens=2)
         for m, w in workers.items():
             w.info = w.receive()
             # One at a time: two multi-threaded processes on the same cores slow each other far more than 2x.
             w.ask(mode=m, text=warm_text, query=QUERY, settings=warm, warmup=True)
-        workers_info[size] = {m: w.info for m, w in workers.items()}
-        runs[size] = {m: [] for m in MODES}
-        reps = cfg.reps[size] if args.reps is None else dict.fromkeys(MODES, args.reps)
-        for rep in range(max(reps.values())):
-            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate: no mode always goes first
-            for m in order:
-                if rep >= reps[m]:
-                    continue
-                t = time.perf_counter()
-                result = workers[m].ask(mode=m, text=text, query=QUERY, settings=settings,
-                                        followup=FOLLOWUP if m == "wim" else None)
-                runs[size][m].append(result)
-                log(f"  {size} rep {rep + 1} {m:9s} {result['seconds']:7.1f} s  (wall {time.perf_counter() - t:.0f} s)")
+        for rep, m in todo:
+            t = time.perf_counter()
+            result = workers[m].ask(mode=m, text=text, query=QUERY, settings=settings,
+                                    followup=FOLLOWUP if m == "wim" else None)
+            progress.put(f"run/{size}/{m}/{rep}", result | {"worker": workers[m].info})
+            log(f"  {size} rep {rep + 1} {m:9s} {result['seconds']:7.1f} s  (wall {time.perf_counter() - t:.0f} s)")
         for w in workers.values():
             w.close()
+        runs[size] = {m: [] for m in MODES}
+        for rep, m in plan:
+            result = progress.get(f"run/{size}/{m}/{rep}")
+            runs[size][m].append(result)
+            workers_info.setdefault(size, {})[m] = result["worker"]
     return runs, workers_info, docs
 
 
@@ -512,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions for every mode (default: per config)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="default: the engine's choice (fp32 on this CPU)")
+    parser.add_argument("--fresh", action="store_true", help="start over instead of resuming a stopped run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -525,17 +562,23 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
 
+    out = args.out or RESULTS
+    progress = Progress(out / "speed_progress.jsonl", {"config": asdict(cfg), "reps": args.reps,
+                                                       "device": args.device, "dtype": args.dtype}, args.fresh)
     engine = load_engine(args.device, args.dtype)
     lm = engine.lm
     log(f"{lm.name}, {lm.dtype} on {lm.device}")
-    micro = microbenchmarks(engine, cfg, log)
+    micro = progress.get("micro")
+    if micro is None:
+        micro = microbenchmarks(engine, cfg, log)
+        progress.put("micro", micro)
     tokenizer = lm.tokenizer
     meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
             "machine": machine(), "quick": args.quick, "segments": cfg.segments, "margin_tokens": cfg.margin_tokens,
             "answer_tokens": cfg.answer_tokens, "config": asdict(cfg), "gemm": micro["gemm"],
             "shape": micro["shape"], "weight_flops_per_token": micro["weight_flops_per_token"]}
     del engine, lm
-    runs, workers_info, docs = mode_runs(cfg, args, tokenizer, log)
+    runs, workers_info, docs = mode_runs(cfg, args, tokenizer, progress, log)
     meta["documents"] = docs
     loads = [r[k] for size in runs.values() for rs in size.values() for r in rs for k in ("load_before", "load_after")]
     meta["load"] = {"median": median(loads), "min": min(loads), "max": max(loads)}
@@ -543,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = assemble(cfg, micro, runs, workers_info, docs)
     data = {"meta": meta, "targets": TARGETS, "rows": rows, "runs": runs}
     md = markdown(data)
-    paths = write_results(args.out or RESULTS, "speed", data, md)
+    meta["code_versions"] = sorted({w["code"] for size in workers_info.values() for w in size.values()})
+    paths = write_results(out, "speed", data, md)
+    progress.path.unlink()  # everything is in speed.json now; the next run starts afresh
     print()
     print(md_table(["row", "measure", "where", "value", "target", "met", "n"], summary(rows)))
     for r in rows["3_reference_vs_wim"]:
