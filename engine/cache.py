@@ -87,6 +87,22 @@ class PreallocatedCache(Cache):
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
                    for t in (layer.keys, layer.values))
 
+    def evict(self, start: int, count: int, rotate) -> None:
+        """Drop slots [start, start + count) and move the later slots down by `count` (the sliding cache).
+        A cached key carries its position in its rotation, so `rotate(keys, -count)` re-positions the moved
+        keys to their new slots; values carry no position and are moved as they are."""
+        if count <= 0:
+            return
+        if not 0 <= start <= start + count <= self.length:
+            raise ValueError(f"cannot evict [{start}, {start + count}) from a cache of {self.length} tokens")
+        for layer in self.layers:
+            end = layer.length
+            if layer.is_initialized:
+                keys = layer.keys[:, :, start + count:end].clone()
+                layer.keys[:, :, start:end - count] = rotate(keys, -count)
+                layer.values[:, :, start:end - count] = layer.values[:, :, start + count:end].clone()
+            layer.length = end - count
+
     def state(self) -> dict[str, torch.Tensor]:
         """The filled part of every layer, as named tensors (for saving a window's cache)."""
         out = {}
@@ -114,6 +130,33 @@ class PreallocatedCache(Cache):
         cache = cls(len(tensors) // 2, capacity)
         cache.load_state(tensors, device)
         return cache
+
+
+def key_rotation(model):
+    """rotate(keys, delta): keys cached at position p, as they would be at position p + delta.
+
+    RoPE (transformers' `rotary_emb` + `apply_rotary_pos_emb`, GPT-NeoX layout) turns each pair of key
+    dimensions by the angle position * inv_freq, so k(p + delta) = R(delta) k(p): one more rotation by the
+    angle difference. That holds only where inv_freq does not depend on the sequence (not for `dynamic` or
+    `longrope` scaling), hence the check. `attention_scaling` multiplies cos and sin, so it is divided out."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    base = getattr(model, "model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    rope_type = getattr(rotary, "rope_type", None)
+    if rotary is None or rope_type in ("dynamic", "longrope"):
+        raise ValueError("the sliding cache needs a model with plain rotary position embeddings (RoPE)")
+    scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+
+    @torch.inference_mode()
+    def rotate(keys: torch.Tensor, delta: int) -> torch.Tensor:
+        position = torch.tensor([[delta]], device=keys.device)
+        cos, sin = rotary(keys, position_ids=position)  # [1, 1, head_dim], broadcast over batch/heads/slots
+        if cos.shape[-1] != keys.shape[-1]:
+            raise ValueError("the sliding cache needs RoPE over the whole head (no partial rotary)")
+        return keys * (cos / scaling) + rotate_half(keys) * (sin / scaling)
+
+    return rotate
 
 
 class RecordingDynamicCache(DynamicCache):

@@ -14,14 +14,18 @@ After an answer the cache is cut back to the end of the document, so follow-up q
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .cache import make_cache
+from .cache import key_rotation, make_cache
 from .classify import Classifier, embed
 from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
 from .generate import Meter, Runner, Stopped, peak_memory_bytes
@@ -30,6 +34,7 @@ from .prompts import PromptLayout
 from .segment import Segment, segment
 
 MODES = ("wim", "llm", "rag")
+WINDOWS = ("new", "sliding")
 
 
 class DocumentTooLong(ValueError):
@@ -48,10 +53,19 @@ class Settings:
     temperature: float = 0.0           # 0: greedy
     seed: int = 0
     context_limit: int | None = None   # tokens the cache may hold; default: the model's context window
+    window: str = "new"                # past the window: new (fresh cache + margins) | sliding (evict, re-rotate)
+    # A multi-window reading keeps each window's cache for follow-up questions: in memory up to this many
+    # bytes, then on disk (safetensors, in a temporary folder removed with the reading) unless told not to.
+    window_cache_budget_bytes: int = 512 * 2**20
+    window_cache_disk: bool = True
 
     def validate(self) -> "Settings":
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if self.window not in WINDOWS:
+            raise ValueError(f"window must be one of {', '.join(WINDOWS)}")
+        if self.window_cache_budget_bytes < 0:
+            raise ValueError("window_cache_budget_bytes must be ≥ 0")
         if self.segment_tokens < 32 or self.margin_tokens < 1 or self.answer_tokens < 1:
             raise ValueError("segment_tokens must be ≥ 32, margin_tokens and answer_tokens ≥ 1")
         return self
@@ -66,6 +80,27 @@ class MarginNote:
     text: str
     relevant: bool | None
     score: float | None
+
+
+@dataclass
+class Window:
+    """One context window of a reading: what remargin() needs to write new margins in it without reading
+    its segments again. The live window is in the reading's cache; a window left behind keeps its cache in
+    `tensors` (memory) or at `path` (safetensors), or nowhere (then a follow-up re-reads it)."""
+    index: int
+    prefix_ids: list[int]
+    doc_end: int = 0                                           # cache length after its last segment
+    boundaries: dict[int, int] = field(default_factory=dict)   # segment index -> cache length after it
+    tensors: dict[str, torch.Tensor] | None = None
+    path: str | None = None
+
+    @property
+    def segments(self) -> list[int]:
+        return list(self.boundaries)
+
+    @property
+    def kept(self) -> bool:
+        return self.tensors is not None or self.path is not None
 
 
 class Engine:
@@ -110,7 +145,10 @@ class Reading:
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
         self.window = 0                      # index of the window the cache holds
-        self.boundaries: dict[int, int] = {}  # segment index -> cache length after it (current window only)
+        self.windows: list[Window] = []      # every window so far; the last one is in `self.cache`
+        self.kept_bytes = 0                  # window caches held in memory
+        self._spill: tempfile.TemporaryDirectory | None = None  # window caches on disk, removed with the reading
+        self.document_tokens_prefilled = 0   # document tokens fed to the model over this reading's life
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
         self._plan_windows()
@@ -130,6 +168,10 @@ class Reading:
         # In a multi-window reading the last window must leave room for the answer's notes and the answer.
         self.answer_reserve = s.answer_tokens + self.limit // 8 + 64
         self.window_reserve = max(self.margin_reserve, self.answer_reserve if self.multiwindow else 0)
+        if s.window == "sliding":
+            if not hasattr(self.cache, "evict"):
+                raise ValueError("The sliding cache needs the preallocated cache; this model uses another.")
+            self.rotate = key_rotation(self.engine.lm.model)
         largest = max(seg.tokens for seg in self.segments)
         if len(self.layout.prefix) + self.limit // 4 + largest + self.window_reserve > self.limit:
             raise DocumentTooLong(
@@ -174,16 +216,18 @@ class Reading:
             yield Notice(note)
         try:
             self.runner.prefill(self.layout.prefix, self.cache, stop)
+            self.doc_end = self.cache.length
+            self.windows.append(Window(0, list(self.layout.prefix), self.doc_end))
             for seg in self.segments:
                 if (chosen is not None and seg.index not in chosen) or seg.index in self.skipped:
                     continue
                 if self.cache.length + seg.tokens + self.window_reserve > self.limit:
-                    yield self._new_window(seg.index, stop)
+                    if self.settings.window == "sliding":
+                        yield self._slide(seg)
+                    else:
+                        yield from self._new_window(seg.index, stop)
                 t = time.perf_counter()
-                with self.engine.lock:
-                    self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
-                self.read_segments.append(seg.index)
-                self.doc_end = self.boundaries[seg.index] = self.cache.length
+                self._prefill_segment(seg, self.windows[-1], stop)
                 yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
                                   seg.pages, self.window, self.cache.length, round(time.perf_counter() - t, 4))
                 if mode != "wim":
@@ -198,6 +242,15 @@ class Reading:
             return
         yield self._stats("read")
 
+    def _prefill_segment(self, seg: Segment, window: Window, stop) -> None:
+        """Feed one segment into the cache, which holds `window`, and note where it ends."""
+        with self.engine.lock:
+            self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
+        self.document_tokens_prefilled += seg.tokens
+        if seg.index not in self.read_segments:
+            self.read_segments.append(seg.index)
+        self.doc_end = window.boundaries[seg.index] = window.doc_end = self.cache.length
+
     # ---- margins for a new question, from the cache ---------------------------------------------------
     def remargin(self, query: str, stop: threading.Event | None = None) -> Iterator[Event]:
         """Margins for a *new* question at every segment boundary, without re-reading the document.
@@ -205,19 +258,62 @@ class Reading:
         Causal attention makes the cache after segments 0..i the first part of the cache after all of them.
         So the new instruction and note for boundary i are written in spare room after the document, with
         positions that continue from boundary i, and an explicit mask that lets them see the cache up to
-        boundary i and themselves only. They are cut off afterwards, as usual."""
-        if self.multiwindow or self.settings.mode != "wim":
-            raise RuntimeError("New-question margins from the cache need a single-window wim reading; re-read.")
+        boundary i and themselves only. They are cut off afterwards, as usual.
+
+        A multi-window reading does this in each window's kept cache in turn (the last window last, so the
+        cache ends as it was). What "equal to a fresh read" means there: window 0 starts with the plain
+        instructions, so its margins equal a fresh read with the new question. A later window starts with the
+        margins *the first question* found relevant, and those stay: its new margins equal a fresh read
+        whose window prefixes are the same (a fresh read with the new question would carry the new
+        question's margins there, and to get those the later windows would have to be read again). A window
+        whose cache could not be kept is read again, with a Notice."""
+        if self.settings.mode != "wim":
+            raise RuntimeError("New-question margins need a wim reading; re-read.")
+        if self.multiwindow and self.settings.window == "sliding":
+            # Evicted segments are gone from the cache and were never kept: only a new read can see them.
+            yield Notice("A sliding-cache reading keeps no earlier windows: the text is read again for the new "
+                         "question.")
+            yield from self.read(query, stop)
+            return
         query = self.query = query.strip()
         self.meter = self.runner.meter = Meter()
         classifier = Classifier(self.settings.classifier, self.runner, self.layout, self.settings.embedding_threshold)
+        windows = [w for w in self.windows if w.boundaries]
         try:
-            for index in self.read_segments:
-                yield from self._write_margin(self.segments[index], query, classifier, stop, self.boundaries[index])
+            if len(windows) > 1 and not windows[-1].kept:
+                notice = self._keep_window(windows[-1])  # the last window's cache is about to be overwritten
+                if notice:
+                    yield notice
+            for window in windows:
+                if len(windows) > 1 and window.kept:
+                    self._load_window(window)
+                elif len(windows) > 1:
+                    yield from self._reread_window(window, query, classifier, stop)
+                    continue
+                for index in window.segments:
+                    yield from self._write_margin(self.segments[index], query, classifier, stop,
+                                                  window.boundaries[index])
         except Stopped:
+            if len(windows) > 1 and windows[-1].kept:
+                self._load_window(windows[-1])  # answers read the last window
             yield self._stats("remargin", stopped=True)
             return
         yield self._stats("remargin")
+
+    def _reread_window(self, window: Window, query: str, classifier: Classifier, stop) -> Iterator[Event]:
+        """Fallback of remargin() for a window whose cache was not kept: build it again from its prefix and
+        segments, as they were read the first time, writing the new margins on the way; then try to keep it."""
+        yield Notice(f"The cache of window {window.index + 1} was not kept: segments {window.segments[0] + 1}-"
+                     f"{window.segments[-1] + 1} are read again for the new question.")
+        self.cache.truncate(0)
+        with self.engine.lock:
+            self.runner.prefill(window.prefix_ids, self.cache, stop)
+        self.doc_end = self.cache.length
+        for index in window.segments:
+            self._prefill_segment(self.segments[index], window, stop)
+            yield from self._write_margin(self.segments[index], query, classifier, stop)
+        if window is not self.windows[-1]:
+            self._keep_window(window)  # quietly: the notice above has said what happens
 
     def _masked_forward(self, ids: list[int], visible: int, stop) -> torch.Tensor:
         """Feed scratch tokens stored after the document but positioned after boundary `visible`."""
@@ -236,9 +332,13 @@ class Reading:
             self.meter.prefill_seconds += time.perf_counter() - t
         return logits
 
-    def _new_window(self, first_segment: int, stop) -> WindowStart:
+    def _new_window(self, first_segment: int, stop) -> Iterator[Event]:
         """Start a fresh window: instructions, the relevant margins so far (the only trace of the text that
-        leaves the cache), then reading resumes at `first_segment`."""
+        leaves the cache), then reading resumes at `first_segment`. The window left behind keeps its cache
+        for follow-up questions where the budget allows."""
+        notice = self._keep_window(self.windows[-1])
+        if notice:
+            yield notice
         notes = self.default_selection()
         budget = self.limit // 4
         while True:
@@ -248,12 +348,83 @@ class Reading:
                 break
             notes.pop(0)  # the oldest notes give way first
         self.window += 1
-        self.boundaries.clear()
         self.cache.truncate(0)
         with self.engine.lock:
             self.runner.prefill(prefix, self.cache, stop)
         self.doc_end = self.cache.length
-        return WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
+        self.windows.append(Window(self.window, prefix, self.doc_end))
+        yield WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
+
+    def _slide(self, seg: Segment) -> WindowStart:
+        """The sliding cache: evict the oldest segments after the instruction prefix (the attention sink)
+        until `seg` fits, and re-rotate the keys that stay so their positions follow on from the prefix:
+        positions never pass the window, and no segment is read twice."""
+        window = self.windows[-1]
+        sink = len(window.prefix_ids)
+        gone, count = [], 0
+        for index, end in window.boundaries.items():
+            if gone and self.cache.length - count + seg.tokens + self.window_reserve <= self.limit:
+                break
+            gone.append(index)
+            count = end - sink
+        self.cache.evict(sink, count, self.rotate)
+        window.boundaries = {i: end - count for i, end in window.boundaries.items() if i not in gone}
+        self.doc_end = window.doc_end = self.cache.length
+        self.window += 1
+        return WindowStart(self.window, seg.index, 0, f"sliding: segment(s) {gone[0] + 1}-{gone[-1] + 1} "
+                                                      f"({count:,} tokens) left the cache")
+
+    # ---- window caches kept for follow-up questions ------------------------------------------------------
+    def _keep_window(self, window: Window) -> Notice | None:
+        """Keep the cache (which holds `window`, up to its last segment) for remargin(): in memory while the
+        budget allows, else on disk; a Notice when neither can take it."""
+        if not hasattr(self.cache, "state") or self.settings.window != "new":
+            return Notice(f"The cache of window {window.index + 1} is not kept ({self.cache.kind} cache): a "
+                          "follow-up question will read that part again.")
+        self.cache.truncate(window.doc_end)
+        state = self.cache.state()
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        if self.kept_bytes + size <= self.settings.window_cache_budget_bytes:
+            window.tensors = {k: v.clone() for k, v in state.items()}
+            self.kept_bytes += size
+            return None
+        why = f"{(self.kept_bytes + size) / 2**20:,.0f} MiB would pass the memory budget of " \
+              f"{self.settings.window_cache_budget_bytes / 2**20:,.0f} MiB"
+        if self.settings.window_cache_disk:
+            try:
+                if self._spill is None:
+                    self._spill = tempfile.TemporaryDirectory(prefix="marginalia-windows-")
+                free = shutil.disk_usage(self._spill.name).free
+                if free < size + 256 * 2**20:
+                    raise OSError(f"only {free / 2**20:,.0f} MiB free on disk")
+                path = os.path.join(self._spill.name, f"window-{window.index}.safetensors")
+                self.cache.save(path)
+                window.path = path
+                return None
+            except OSError as e:
+                why += f", and it could not be saved to disk ({e})"
+        else:
+            why += " and saving to disk is off"
+        return Notice(f"The cache of window {window.index + 1} is not kept ({why}): a follow-up question will "
+                      f"read segments {window.segments[0] + 1}-{window.segments[-1] + 1} again.")
+
+    def _load_window(self, window: Window) -> None:
+        """Put a kept window's cache back into the reading's cache (from disk: memory-mapped by safetensors
+        and copied once into the preallocated buffers)."""
+        if window.tensors is not None:
+            tensors = window.tensors
+        else:
+            from safetensors.torch import load_file
+            tensors = load_file(window.path)
+        self.cache.load_state(tensors, self.engine.lm.device)
+        self.doc_end = window.doc_end
+
+    def _forget_windows(self) -> None:
+        for window in self.windows:
+            if window.path and self._spill and window.path.startswith(self._spill.name):
+                Path(window.path).unlink(missing_ok=True)
+        self.windows.clear()
+        self.kept_bytes = 0
 
     def _reset(self, meter: Meter) -> None:
         self.meter = self.runner.meter = meter
@@ -262,7 +433,7 @@ class Reading:
         self.read_segments.clear()
         self.doc_end = 0
         self.window = 0
-        self.boundaries.clear()
+        self._forget_windows()
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
                       visible: int | None = None) -> Iterator[Event]:
