@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
-from engine.wim import DocumentTooLong, Engine, Settings
+from engine.wim import DocumentTooLong, Engine, Reading, Settings
 
 from . import render, worker
 from .ingest import IngestError, load_document
@@ -83,6 +84,8 @@ class Service:
         self._marks: dict[str, dict[int, bool | None]] = {}
         self._segments: OrderedDict[str, list] = OrderedDict()
         self._lock = threading.Lock()
+        # Finished readings' KV caches, one folder a session, beside the database (paths stored relative to it).
+        self.data_dir = os.path.dirname(store.path)
         worker.set_engine(engine)
 
     # ------------------------------------------------------------------ start-up
@@ -270,7 +273,16 @@ class Service:
         if session_id in self._active or session_id in self._waiting:
             raise UserError("This reading is still running: stop it first.")
         worker.forget(session_id)
-        return self.store.delete_session(session_id, owner)
+        saved = self._cache_dir(self.store.get_session(session_id, owner))
+        deleted = self.store.delete_session(session_id, owner)
+        if deleted and saved:
+            shutil.rmtree(saved, ignore_errors=True)
+        return deleted
+
+    def _cache_dir(self, session: dict | None) -> str | None:
+        """The folder holding the session's saved cache, if one was recorded."""
+        path = (session or {}).get("cache_path")
+        return os.path.join(self.data_dir, path) if path else None
 
     def export(self, owner: str, session_id: str) -> list[str]:
         session = self._session(owner, session_id)
@@ -404,7 +416,8 @@ class Service:
                 return
             skip = {m["segment_index"]: m["text"] for m in saved}
             job = {"kind": "read", "session_id": session_id, "text": doc["text"], "page_starts": doc["page_starts"],
-                   "settings": settings.to_dict(), "query": session["question"], "skip": skip}
+                   "settings": settings.to_dict(), "query": session["question"], "skip": skip,
+                   "cache_dir": os.path.join(self.data_dir, "caches", session_id)}
             yield from self._drive_read(job, panel, segments, doc, settings, stop, len(skip))
             finished = True
         except Exception as e:  # a bug or an engine failure: keep what was saved, say what happened
@@ -515,6 +528,9 @@ class Service:
                 self._end(sid)  # before the last update, so the sessions list no longer says "reading"
                 panel.message, panel.eta_s = "", None
                 yield {"panel": render.panel_html(panel), "resume": panel.status != "done", "sessions": True}
+        # The worker saves a finished reading's cache after its last event: record it for later follow-ups.
+        if panel.status == "done" and os.path.exists(os.path.join(job["cache_dir"], Reading.SAVED)):
+            self.store.update_session(sid, cache_path=os.path.relpath(job["cache_dir"], self.data_dir))
 
     # ------------------------------------------------------------------ answering
 
@@ -551,7 +567,8 @@ class Service:
             job = {"kind": "answer", "session_id": session_id, "text": doc["text"],
                    "page_starts": doc["page_starts"], "settings": settings.to_dict(), "query": session["question"],
                    "question": question, "skip": {m["segment_index"]: m["text"] for m in margins},
-                   "last": max(m["segment_index"] for m in margins), "selection": selection}
+                   "last": max(m["segment_index"] for m in margins), "selection": selection,
+                   "cache_dir": self._cache_dir(session)}
             started, last_yield = _now(), 0.0
             for ev in worker.run(job, stop):
                 if isinstance(ev, SegmentRead):

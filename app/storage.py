@@ -131,6 +131,13 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     db["answers"].create_index(["session_id"])
 
 
+@migration
+def m002_session_cache_path(db: sqlite_utils.Database) -> None:
+    # Where a finished reading's KV cache was saved (a folder relative to the database's own), so a
+    # follow-up question after a restart loads it instead of reading the document again. NULL: none.
+    db["sessions"].add_column("cache_path", str)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -168,7 +175,7 @@ def _write_lock(path: str) -> threading.Lock:
 class Store:
     """The app's database. Safe to share one instance across threads (see module docstring)."""
 
-    _SESSION_FIELDS = {"question", "model", "settings", "status", "segments_total", "segments_read"}
+    _SESSION_FIELDS = {"question", "model", "settings", "status", "segments_total", "segments_read", "cache_path"}
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.path.abspath(os.fspath(path))
@@ -285,7 +292,7 @@ class Store:
         return [self._session_row(r) for r in rows]
 
     def update_session(self, id: str, **fields: Any) -> None:
-        """Set some of question/model/settings/status/segments_total/segments_read; bumps `updated`."""
+        """Set some of question/model/settings/status/segments_total/segments_read/cache_path; bumps `updated`."""
         unknown = set(fields) - self._SESSION_FIELDS
         if unknown:
             raise ValueError(f"cannot update session fields {sorted(unknown)}")

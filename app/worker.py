@@ -99,9 +99,9 @@ def _gpu_seconds(job: dict, stop=None) -> int:
 
 def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event]:
     """job["kind"] == "read": read the document (skipping job["skip"] margins) and write margins.
-    job["kind"] == "answer": make sure segments 0..job["last"] are in the cache (re-reading them without
-    writing margins if this process has not got them, e.g. after a restart), then answer from
-    job["selection"] (segment index -> margin text)."""
+    job["kind"] == "answer": make sure segments 0..job["last"] are in the cache (loaded from the reading
+    saved in job["cache_dir"] after a restart, else re-read without writing margins), then answer from
+    job["selection"] (segment index -> margin text). A finished read is saved to job["cache_dir"]."""
     if _engine is None:
         raise RuntimeError("the engine is not loaded")
     reading = _reading(job)
@@ -109,8 +109,16 @@ def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event
         if job["kind"] == "read":
             skip = {int(k): v for k, v in (job.get("skip") or {}).items()}
             yield from reading.read(job["query"], stop, skip=skip)
+            if job.get("cache_dir") and len(reading.read_segments) == len(reading.segments) and not (
+                    stop and stop.is_set()):
+                _save(reading, job["cache_dir"])
             return
         last = int(job["last"])
+        if not reading.read_segments and job.get("cache_dir"):
+            try:  # a restart: the saved cache, if it is this reading's
+                reading.restore(job["cache_dir"])
+            except Exception:  # a damaged file: read the document again instead
+                log.exception("could not load the saved cache in %s", job["cache_dir"])
         if not reading.read_segments or max(reading.read_segments) < last:
             skip = {i: "" for i in range(last + 1)}
             skip.update({int(k): v for k, v in (job.get("skip") or {}).items()})
@@ -133,6 +141,14 @@ def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event
     except BaseException:
         forget(job["session_id"])  # a cache left half-written is not worth keeping
         raise
+
+
+def _save(reading: Reading, folder: str) -> None:
+    """Save a finished reading's cache for follow-ups after a restart; a failure costs only that."""
+    try:
+        reading.save(folder)
+    except (OSError, RuntimeError):
+        log.exception("could not save the cache of a reading to %s", folder)
 
 
 if spaces is not None:

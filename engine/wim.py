@@ -14,6 +14,8 @@ After an answer the cache is cut back to the end of the document, so follow-up q
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -418,6 +420,67 @@ class Reading:
             tensors = load_file(window.path)
         self.cache.load_state(tensors, self.engine.lm.device)
         self.doc_end = window.doc_end
+
+    # ---- saving a finished reading for another process ------------------------------------------------
+    SAVED = "reading.json"
+
+    def fingerprint(self) -> str:
+        """What a saved cache depends on: the model, the document's tokens and the settings."""
+        blob = json.dumps([self.engine.lm.name, str(self.engine.lm.dtype), self.settings.to_dict(),
+                           hashlib.sha256(str(self.doc.token_ids).encode()).hexdigest()], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write every window's cache (safetensors) and what follow-up questions need (reading.json) to
+        `folder`, replacing what was there; written aside first, so a half-written folder is never loaded."""
+        if not hasattr(self.cache, "save"):
+            raise RuntimeError(f"a {self.cache.kind} cache cannot be saved")
+        from safetensors.torch import save_file
+        folder = Path(folder)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        windows = []
+        for window in self.windows:
+            name = f"window-{window.index}.safetensors"
+            if window is self.windows[-1]:
+                self.cache.truncate(window.doc_end)
+                self.cache.save(partial / name)
+            elif window.tensors is not None:
+                save_file({k: v.contiguous() for k, v in window.tensors.items()}, str(partial / name))
+            elif window.path:
+                shutil.copyfile(window.path, partial / name)
+            else:
+                name = None  # not kept: a follow-up re-reads it
+            windows.append({"index": window.index, "prefix_ids": window.prefix_ids, "doc_end": window.doc_end,
+                            "boundaries": list(window.boundaries.items()), "file": name})
+        meta = {"fingerprint": self.fingerprint(), "query": self.query, "window": self.window,
+                "read_segments": self.read_segments, "windows": windows,
+                "margins": [asdict(m) for m in self.margins.values()]}
+        (partial / self.SAVED).write_text(json.dumps(meta), encoding="utf-8")
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+
+    def restore(self, folder: str | os.PathLike) -> bool:
+        """Take up a reading saved by save() (in this or another process): the last window goes into the
+        cache, the others stay on disk until remargin() needs them. False if it was saved for another model,
+        text or settings, or is missing."""
+        folder = Path(folder)
+        try:
+            meta = json.loads((folder / self.SAVED).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if meta.get("fingerprint") != self.fingerprint():
+            return False
+        self._reset(Meter())
+        for w in meta["windows"]:
+            self.windows.append(Window(w["index"], w["prefix_ids"], w["doc_end"], dict(map(tuple, w["boundaries"])),
+                                       path=str(folder / w["file"]) if w["file"] else None))
+        self._load_window(self.windows[-1])
+        self.window, self.query = meta["window"], meta["query"]
+        self.read_segments[:] = meta["read_segments"]
+        self.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
+        return True
 
     def _forget_windows(self) -> None:
         for window in self.windows:

@@ -163,3 +163,36 @@ def test_formatting():
     assert render.duration(8.2) == "9 s" and render.duration(80) == "1 min 20 s"
     assert render.duration(1500) == "25 min" and render.duration(4000) == "1 h 06 min"
     assert render.duration(None) == "—"
+
+
+def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path):
+    """Read, answer, restart (new Service and Store objects, the worker's readings gone), ask again: the
+    answer comes from the cache saved beside the database, with no document token prefilled again."""
+    from app import worker
+    db = tmp_path / "marginalia.db"
+    defaults = Defaults(segment_tokens=64, margin_tokens=8, answer_tokens=8, classifier="none")
+    first = Service(engine, Store(db), defaults)
+    doc = first.store.add_document("pride.txt", "txt", "Pride and Prejudice", TEXT,
+                                   hashlib.sha256(TEXT.encode()).hexdigest())
+    sid = first.start_read("alice", doc, "Who is in want of a wife?", first.settings())
+    list(first.read_stream("alice", sid))
+    session = first.store.get_session(sid)
+    assert session["status"] == "read" and session["cache_path"]
+    folder = tmp_path / session["cache_path"]
+    assert (folder / "reading.json").exists() and list(folder.glob("window-*.safetensors"))
+    question = "Is the man rich?"
+    first.start_answer("alice", sid, question)
+    list(first.answer_stream("alice", sid, question))
+    before = first.store.answers(sid)[-1]["text"]
+
+    worker.clear()
+    second = Service(engine, Store(db), defaults)
+    assert worker.cached_sessions() == []
+    second.start_answer("alice", sid, question)
+    updates = list(second.answer_stream("alice", sid, question))
+    assert not any("Loading the document" in (u.get("answers") or "") for u in updates)
+    reading = worker._readings[sid][1]
+    assert reading.document_tokens_prefilled == 0            # the document was not read again
+    assert reading.read_segments == list(range(len(reading.segments)))
+    assert second.store.answers(sid)[-1]["text"] == before    # the same cache, bit for bit: the same answer
+    assert second.delete("alice", sid) and not folder.exists()
