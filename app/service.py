@@ -509,8 +509,10 @@ class Service:
             elif isinstance(ev, Notice):
                 yield {"notice": render.notice_html(ev.text, "info")}
             elif isinstance(ev, WindowStart):
+                held = ("its margin notes" if ev.reason.startswith("sliding")
+                        else f"{ev.carried_margins} margin note(s)")
                 panel.message = (f"New context window from segment {ev.first_segment + 1}: the text before it "
-                                 f"lives on in {ev.carried_margins} margin note(s).")
+                                 f"lives on in {held}.")
                 yield {"panel": render.panel_html(panel)}
             elif isinstance(ev, Stats):
                 # A margin cut short by Stop was never saved: drop its card.

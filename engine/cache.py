@@ -87,6 +87,7 @@ class PreallocatedCache(Cache):
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
                    for t in (layer.keys, layer.values))
 
+    @torch.inference_mode()  # the buffers are inference tensors
     def evict(self, start: int, count: int, rotate) -> None:
         """Drop slots [start, start + count) and move the later slots down by `count` (the sliding cache).
         A cached key carries its position in its rotation, so `rotate(keys, -count)` re-positions the moved

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .classify import CLASSIFIERS
-from .wim import MODES, DocumentTooLong, Engine, Settings
+from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
 def load_input(path: Path, query: str | None) -> tuple[str, str, str | None]:
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier)
     read.add_argument("--context-limit", type=int, default=None, help="tokens the KV cache may hold")
     read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    read.add_argument("--window", choices=WINDOWS, default=Settings.window,
+                      help="past the context window: a new window carrying the margins, or a sliding cache")
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
@@ -78,8 +80,9 @@ class HumanOutput:
             tps = self.tokens / max(time.perf_counter() - self.started, 1e-9)
             self.progress.update(self.task, completed=ev.index + 1, tps=f"{tps:,.0f}")
         elif ev.kind == "window":
-            self.progress.console.print(f"[yellow]window {ev.window + 1} from segment {ev.first_segment + 1}: "
-                                        f"earlier text is now held only in {ev.carried_margins} margin(s)")
+            held = ("its margins" if ev.reason.startswith("sliding") else f"{ev.carried_margins} margin(s)")
+            self.progress.console.print(f"[yellow]window {ev.window + 1} from segment {ev.first_segment + 1} "
+                                        f"({ev.reason}): earlier text is now held only in {held}")
         elif ev.kind == "margin":
             verdict = {True: "[green]relevant", False: "[dim]irrelevant", None: ""}[ev.relevant]
             score = f" ({ev.score:.2f})" if ev.score is not None else ""
@@ -110,7 +113,8 @@ def cmd_read(args) -> int:
     text, query, target = load_input(args.path, args.query)
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier,
-                        temperature=args.temperature, context_limit=args.context_limit).validate()
+                        temperature=args.temperature, context_limit=args.context_limit,
+                        window=args.window).validate()
     engine = Engine.load(args.model, args.device, args.dtype)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings)

@@ -10,13 +10,13 @@ from engine import Answer, Margin, Notice, SegmentRead, Settings, Stats, WindowS
 from tests.conftest import shared
 
 
-def test_text_of_three_windows_is_read_completely(engine):
-    text = shared("books", "pg84.txt").read_text(encoding="utf-8")[30000:44000]
-    settings = Settings(segment_tokens=150, margin_tokens=8, answer_tokens=8, classifier="embedding",
-                        context_limit=1024)
+def _read_past_three_windows(engine, text: str, settings: Settings, query: str):
+    """Read and answer a text of at least 3 windows; check that every character was read exactly once, every
+    segment has its margin, the windows follow each other and the cache never held more than one window."""
+    limit = settings.context_limit
     reading = engine.open(text, settings)
-    assert len(reading.doc.token_ids) >= 3 * 1024 and reading.multiwindow
-    events = list(reading.read("Who is Elizabeth?")) + list(reading.answer("Who is Elizabeth?"))
+    assert len(reading.doc.token_ids) >= 3 * limit and reading.multiwindow
+    events = list(reading.read(query)) + list(reading.answer(query))
     segments = [e for e in events if isinstance(e, SegmentRead)]
     windows = [e for e in events if isinstance(e, WindowStart)]
     # Every character exactly once, in order; every segment has its margin.
@@ -31,9 +31,62 @@ def test_text_of_three_windows_is_read_completely(engine):
         assert next(s for s in segments if s.index == w.first_segment).window == w.window
     assert any(isinstance(e, Notice) for e in events)
     # Bounded memory: the cache never held more than one window.
-    assert max(s.cache_tokens for s in segments) <= 1024
-    assert reading.cache.capacity == 1024
+    assert max(s.cache_tokens for s in segments) <= limit
+    assert reading.cache.capacity == limit
     assert [e for e in events if isinstance(e, Answer)][0].text
+    return reading, events
+
+
+def test_text_of_three_windows_is_read_completely(engine):
+    text = shared("books", "pg84.txt").read_text(encoding="utf-8")[30000:44000]
+    settings = Settings(segment_tokens=150, margin_tokens=8, answer_tokens=8, classifier="embedding",
+                        context_limit=1024)
+    _read_past_three_windows(engine, text, settings, "Who is Elizabeth?")
+
+
+def test_sliding_cache_reads_three_windows_in_bounded_memory(engine):
+    settings = Settings(segment_tokens=100, margin_tokens=6, answer_tokens=6, classifier="none",
+                        context_limit=512, window="sliding")
+    reading, events = _read_past_three_windows(engine, _alice(7000), settings, "Where does Alice fall?")
+    slides = [e for e in events if isinstance(e, WindowStart)]
+    assert all(e.reason.startswith("sliding") and e.carried_margins == 0 for e in slides)
+    # One cache, nothing kept beside it; the instruction prefix (the attention sink) stayed at its place.
+    assert len(reading.windows) == 1 and reading.kept_bytes == 0 and not reading.windows[0].kept
+    # The cache ends with the most recent segments, each boundary where its tokens end.
+    kept, n = reading.windows[0].segments, len(reading.segments)
+    assert 0 < len(kept) < n and kept == list(range(n - len(kept), n))
+    ends = [len(engine.layout.prefix) + sum(reading.segments[i].tokens for i in kept[:j + 1]) for j in range(len(kept))]
+    assert list(reading.windows[0].boundaries.values()) == ends and reading.doc_end == ends[-1]
+
+
+def test_re_positioned_keys_equal_keys_computed_at_the_new_positions(engine):
+    """Tokens K cached at positions 100..299 (masked so they do not see the 100 tokens before them), then
+    moved down by 100 slots and re-rotated, must equal K prefilled afresh at positions 0..199."""
+    from engine.cache import PreallocatedCache, key_rotation
+    from engine.generate import Runner
+    lm = engine.lm
+    runner = Runner(lm.model, lm.tokenizer, lm.device)
+    ids = lm.tokenizer(_alice(3000), add_special_tokens=False)["input_ids"][:300]
+    layers = lm.model.config.num_hidden_layers
+    moved, fresh = PreallocatedCache(layers, 512), PreallocatedCache(layers, 512)
+    runner.prefill(ids[:100], moved)
+    mask = torch.full((200, 300), torch.finfo(torch.float32).min)
+    mask[:, 100:] = torch.triu(mask[:, 100:], diagonal=1)  # causal among K, blind to the first 100
+    runner.forward(ids[100:], moved, attention_mask=mask[None, None])
+    moved.evict(0, 100, key_rotation(lm.model))
+    runner.prefill(ids[100:], fresh)
+    assert moved.length == fresh.length == 200
+    worst = max((a.keys[:, :, :200] - b.keys[:, :, :200]).abs().max().item()
+                for a, b in zip(moved.layers, fresh.layers))
+    values = max((a.values[:, :, :200] - b.values[:, :, :200]).abs().max().item()
+                 for a, b in zip(moved.layers, fresh.layers))
+    assert worst < 1e-4 and values < 1e-4, (worst, values)
+    # Without the re-rotation the keys would be far off: the check can fail.
+    unrotated = PreallocatedCache(layers, 512)
+    runner.prefill(ids[:100], unrotated)
+    runner.forward(ids[100:], unrotated, attention_mask=mask[None, None])
+    unrotated.evict(0, 100, lambda keys, delta: keys)
+    assert (unrotated.layers[0].keys[:, :, :200] - fresh.layers[0].keys[:, :, :200]).abs().max() > 1e-2
 
 
 def test_plain_mode_past_the_window_keeps_both_ends(engine):
