@@ -13,9 +13,12 @@ skips what is there, so `--n` can grow later and an interrupted run loses at mos
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import hashlib
 import json
 import math
+import os
 import random
 import re
 import string
@@ -121,11 +124,15 @@ class Evaluator:
             events = list(reading.read(case.query))
             read_s = time.perf_counter() - t
             margins = {i: m.text for i, m in sorted(reading.margins.items())}
-            verdicts = {}
+            verdicts, failed = {}, {}
             for method in ("llm", "embedding"):
-                judge = Classifier(method, reading.runner, self.engine.layout, base.embedding_threshold)
-                verdicts[method] = {i: bool(judge(case.query, text)[0]) if text else False
-                                    for i, text in margins.items()}
+                try:
+                    judge = Classifier(method, reading.runner, self.engine.layout, base.embedding_threshold)
+                    verdicts[method] = {i: bool(judge(case.query, text)[0]) if text else False
+                                        for i, text in margins.items()}
+                except Exception as exc:  # say, no embedding model: the other modes still count
+                    failed[method] = f"{type(exc).__name__}: {exc}"
+                    print(f"{case.key}: classifier {method} failed: {failed[method]}", flush=True)
             verdicts["none"] = {i: bool(text) for i, text in margins.items()}
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
                     "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
@@ -133,6 +140,8 @@ class Evaluator:
             out["wim-read"] = read
             answered: dict[tuple, dict] = {}  # selection -> record: two classifiers keeping the same margins
             for mode in wim_needed:           # get the same (greedy) answer, computed once
+                if mode.split("-", 1)[1] not in verdicts:
+                    continue
                 chosen = [i for i, keep in verdicts[mode.split("-", 1)[1]].items() if keep]
                 if tuple(chosen) in answered:
                     same = answered[tuple(chosen)]
@@ -143,7 +152,7 @@ class Evaluator:
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen)
                 answered[tuple(chosen)] = out[mode]
             del reading
-        if "margins-only" in modes and "margins-only" not in stored:
+        if "margins-only" in modes and "margins-only" not in stored and "llm" in read["verdicts"]:
             margins = {int(i): text for i, text in read["margins"].items()}  # stored JSON has string keys
             # The notes WiM's default (LLM) classifier keeps: the same ones the wim-llm answer sees.
             keep = sorted(int(i) for i, k in read["verdicts"]["llm"].items() if k and margins[int(i)])
@@ -154,7 +163,11 @@ class Evaluator:
         for mode in ("llm", "rag"):
             if mode in modes and mode not in stored:
                 t = time.perf_counter()
-                events = list(self.engine.run(case.text, case.query, self.settings(case, mode)))
+                try:
+                    events = list(self.engine.run(case.text, case.query, self.settings(case, mode)))
+                except Exception as exc:  # one mode failing (say, rag without its embedding model) ends no other
+                    print(f"{case.key}: {mode} failed: {type(exc).__name__}: {exc}", flush=True)
+                    continue
                 answer = [e for e in events if isinstance(e, Answer)][0]
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t)
         return out
@@ -174,10 +187,11 @@ def fingerprint(engine, args) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
 
-def load_records(path: Path, fp: str) -> dict[str, dict[str, dict]]:
-    """case key -> mode -> record, for records made with this fingerprint."""
+def load_records(out: Path, fp: str) -> dict[str, dict[str, dict]]:
+    """case key -> mode -> record, for records made with this fingerprint, from every record file in `out`
+    (eval_cases.jsonl, and eval_cases.shardK.jsonl written by parallel workers)."""
     records: dict[str, dict[str, dict]] = defaultdict(dict)
-    if path.exists():
+    for path in sorted(out.glob("eval_cases*.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 r = json.loads(line)
@@ -241,6 +255,17 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
                                        if meta.get("wim_read_seconds") else [])), ""])
 
 
+def save_cases(path: Path, cases: list[Case]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for c in cases:
+            f.write(json.dumps(dataclasses.asdict(c)) + "\n")
+
+
+def read_cases(path: Path) -> list[Case]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [Case(**json.loads(line)) for line in f if line.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default="wim,llm,rag,margins-only",
@@ -256,6 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke test: one short case per task")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
                                                                 "--quick requires it)")
+    parser.add_argument("--cases", type=Path, default=None,
+                        help="read the cases from this file (written by --dump-cases) instead of generating them")
+    parser.add_argument("--dump-cases", type=Path, default=None,
+                        help="generate the cases, write them to this .jsonl.gz file and stop (to run them elsewhere)")
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="run only every N-th case from the K-th (parallel workers on one accelerator); "
+                             "each shard writes its own record file in --out")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: summarise the records found in --out into eval.json and eval.md")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="run the cases in this many parallel worker processes (one accelerator shared), "
+                             "then summarise them all")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="with --workers: stop the workers after this many seconds and report what is done "
+                             "(cases run in an order that keeps the table balanced)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args(argv)
@@ -277,27 +317,37 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
 
+    if args.workers > 1 and not (args.shard or args.report or args.dump_cases):
+        return run_workers(list(sys.argv[1:] if argv is None else argv), args.workers, args.deadline, out, log)
+    if args.dump_cases:
+        from transformers import AutoTokenizer
+        from engine.model import convert_embedded
+        cases = generate_cases(AutoTokenizer.from_pretrained(convert_embedded()), tasks, lengths, args)
+        save_cases(args.dump_cases, cases)
+        log(f"wrote {len(cases)} cases to {args.dump_cases}")
+        return 0
     engine = load_engine(args.device, args.dtype)
     tok = engine.lm.tokenizer
     fp = fingerprint(engine, args)
+    cases = read_cases(args.cases) if args.cases else generate_cases(tok, tasks, lengths, args)
+    if args.cases:  # the file decides the cases; the table lists what it holds
+        tasks = list(dict.fromkeys(c.task for c in cases))
+        lengths = list(dict.fromkeys(c.length for c in cases if c.task not in FIXED_TASKS))
+    records = load_records(out, fp)
     record_path = out / "eval_cases.jsonl"
-    records = load_records(record_path, fp)
-    # Case order: index-major, so every (task, length) cell grows together and an early stop is still balanced.
-    # The fixed samples come after the first round, so that an early stop still has every task.
-    cases: list[Case] = []
-    for i in range(args.n):
-        for length in lengths:
-            cases += [make_case(task, length, i, tok, args.seed) for task in tasks if task not in FIXED_TASKS]
-        if i == 0 and "babilong-sample" in tasks:
-            cases += babilong_samples(tok)
-    if args.quick:
-        for c in cases:
-            c.answer_tokens = 16 if c.kind == "short" else 32
+    mine = cases
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        mine = cases[k::n]
+        record_path = out / f"eval_cases.shard{k}.jsonl"
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens,
             "max_segment_tokens": args.max_segment_tokens, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp}
+
+    if args.report:
+        mine = []
 
     def save() -> tuple[Path, Path]:
         rows = summarise(cases, records, modes)
@@ -310,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         return write_results(out, "eval", data, markdown(meta, rows, modes))
 
     with record_path.open("a", encoding="utf-8") as log_file:
-        for k, case in enumerate(cases):
+        for k, case in enumerate(mine):
             have = records.get(case.key, {})
             if all(m in have for m in modes):
                 continue
@@ -326,14 +376,62 @@ def main(argv: list[str] | None = None) -> int:
                 log_file.write(json.dumps(rec) + "\n")
             log_file.flush()
             scores = " ".join(f"{m}={new[m]['score']:.2f}" for m in modes if m in new)
-            log(f"{k + 1}/{len(cases)} {case.key} ({time.perf_counter() - t:.0f} s) {scores}")
-            save()
+            log(f"{k + 1}/{len(mine)} {case.key} ({time.perf_counter() - t:.0f} s) {scores}")
+            if not args.shard:  # shards leave the summary to one `--report` run over all record files
+                save()
+    if args.shard:
+        return 0
     paths = save()
     rows = summarise(cases, records, modes)
     print()
     print(markdown(meta, rows, modes))
     print(f"wrote {paths[0]} and {paths[1]} ({meta['wall_seconds'] / 60:.1f} min)")
     return 0
+
+
+def run_workers(argv: list[str], workers: int, deadline: float | None, out: Path, log) -> int:
+    """`workers` copies of this command, each on every workers-th case (--shard), then one --report over all of
+    their record files. A small model decoding one token at a time leaves an accelerator mostly idle, waiting on
+    Python and kernel launches; several processes fill it."""
+    import subprocess
+    started = time.monotonic()
+    procs = []
+    # Threads per worker: more threads than cores in all make every worker wait on the others' spinning threads.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // workers)))}
+    for k in range(workers):
+        cmd = [sys.executable, "-m", "bench.eval", *argv, "--workers", "1", "--shard", f"{k}/{workers}"]
+        with (out / f"worker{k}.log").open("w") as worker_log:
+            procs.append(subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env))
+    log(f"{workers} workers started")
+    while any(p.poll() is None for p in procs):
+        if deadline is not None and time.monotonic() - started > deadline:
+            log(f"deadline of {deadline:.0f} s reached: stopping the workers, reporting what is done")
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait()
+            break
+        time.sleep(1)
+    failed = [k for k, p in enumerate(procs) if p.returncode not in (0, -15)]
+    if failed:
+        log(f"workers {failed} failed: see {out}/worker<k>.log")
+    main([*argv, "--workers", "1", "--report"])
+    return 1 if failed else 0
+
+
+def generate_cases(tok, tasks: list[str], lengths: list[int], args) -> list[Case]:
+    """Index-major order, so every (task, length) cell grows together and an early stop is still balanced.
+    The fixed samples come after the first round, so that an early stop still has every task."""
+    cases: list[Case] = []
+    for i in range(args.n):
+        for length in lengths:
+            cases += [make_case(task, length, i, tok, args.seed) for task in tasks if task not in FIXED_TASKS]
+        if i == 0 and "babilong-sample" in tasks:
+            cases += babilong_samples(tok)
+    if args.quick:
+        for c in cases:
+            c.answer_tokens = 16 if c.kind == "short" else 32
+    return cases
 
 
 if __name__ == "__main__":
