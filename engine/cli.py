@@ -68,7 +68,10 @@ class HumanOutput:
         self.console = Console(stderr=False, highlight=False)
         self.progress = Progress(TextColumn("[bold]reading"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                                 # rich estimates speed over the last 30 s by default: a segment of a
+                                 # book can take longer than that on a CPU, and the ETA would stay blank.
+                                 speed_estimate_period=24 * 3600)
         self.task = self.progress.add_task("read", total=total, tps="-")
         self.progress.start()
         self.tokens, self.started = 0, time.perf_counter()
@@ -114,7 +117,10 @@ def cmd_read(args) -> int:
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier,
                         temperature=args.temperature, context_limit=args.context_limit,
-                        window=args.window).validate()
+                        window=args.window,
+                        # Follow-ups here answer from the last window and the margins (no remargin), so
+                        # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
+                        keep_windows=False).validate()
     engine = Engine.load(args.model, args.device, args.dtype)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings)
