@@ -143,10 +143,15 @@ def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event
         raise
 
 
+# Disk a session's saved cache may take: a whole novel is ~25 windows of up to 360 MiB (SmolLM2, fp32). Past the
+# cap the earliest windows are not saved, and a follow-up on them reads that part again.
+SAVED_CACHE_BYTES = int(float(os.environ.get("MARGINALIA_SAVED_CACHE_MB", "2048")) * 2**20)
+
+
 def _save(reading: Reading, folder: str) -> None:
     """Save a finished reading's cache for follow-ups after a restart; a failure costs only that."""
     try:
-        reading.save(folder)
+        reading.save(folder, max_bytes=SAVED_CACHE_BYTES)
     except (OSError, RuntimeError):
         log.exception("could not save the cache of a reading to %s", folder)
 

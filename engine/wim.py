@@ -60,6 +60,7 @@ class Settings:
     # bytes, then on disk (safetensors, in a temporary folder removed with the reading) unless told not to.
     window_cache_budget_bytes: int = 512 * 2**20
     window_cache_disk: bool = True
+    keep_windows: bool = True          # keep each window's cache for follow-ups (remargin); off: none kept
 
     def validate(self) -> "Settings":
         if self.mode not in MODES:
@@ -380,6 +381,8 @@ class Reading:
     def _keep_window(self, window: Window) -> Notice | None:
         """Keep the cache (which holds `window`, up to its last segment) for remargin(): in memory while the
         budget allows, else on disk; a Notice when neither can take it."""
+        if not self.settings.keep_windows:  # the caller will ask no follow-up: keeping would cost for nothing
+            return None
         if not hasattr(self.cache, "state") or self.settings.window != "new":
             return Notice(f"The cache of window {window.index + 1} is not kept ({self.cache.kind} cache): a "
                           "follow-up question will read that part again.")
@@ -430,9 +433,11 @@ class Reading:
                            hashlib.sha256(str(self.doc.token_ids).encode()).hexdigest()], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def save(self, folder: str | os.PathLike) -> None:
+    def save(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
         """Write every window's cache (safetensors) and what follow-up questions need (reading.json) to
-        `folder`, replacing what was there; written aside first, so a half-written folder is never loaded."""
+        `folder`, replacing what was there; written aside first, so a half-written folder is never loaded.
+        `max_bytes` caps the cache files: the last window is always saved (answers need it), earlier windows
+        newest first while the cap allows; a follow-up re-reads the windows left out."""
         if not hasattr(self.cache, "save"):
             raise RuntimeError(f"a {self.cache.kind} cache cannot be saved")
         from safetensors.torch import save_file
@@ -440,18 +445,27 @@ class Reading:
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        self.cache.truncate(self.windows[-1].doc_end)
+        left = float("inf") if max_bytes is None else max_bytes - self._state_bytes(self.cache.state())
+        saved = {self.windows[-1].index}
+        for window in reversed(self.windows[:-1]):
+            size = (self._state_bytes(window.tensors) if window.tensors is not None
+                    else os.path.getsize(window.path) if window.path else None)
+            if size is not None and size <= left:
+                saved.add(window.index)
+                left -= size
         windows = []
         for window in self.windows:
             name = f"window-{window.index}.safetensors"
-            if window is self.windows[-1]:
+            if window.index not in saved:
+                name = None  # not kept, or past max_bytes: a follow-up re-reads it
+            elif window is self.windows[-1]:
                 self.cache.truncate(window.doc_end)
                 self.cache.save(partial / name)
             elif window.tensors is not None:
                 save_file({k: v.contiguous() for k, v in window.tensors.items()}, str(partial / name))
-            elif window.path:
-                shutil.copyfile(window.path, partial / name)
             else:
-                name = None  # not kept: a follow-up re-reads it
+                shutil.copyfile(window.path, partial / name)
             windows.append({"index": window.index, "prefix_ids": window.prefix_ids, "doc_end": window.doc_end,
                             "boundaries": list(window.boundaries.items()), "file": name})
         meta = {"fingerprint": self.fingerprint(), "query": self.query, "window": self.window,
@@ -460,6 +474,10 @@ class Reading:
         (partial / self.SAVED).write_text(json.dumps(meta), encoding="utf-8")
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
+
+    @staticmethod
+    def _state_bytes(state: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in state.values())
 
     def restore(self, folder: str | os.PathLike) -> bool:
         """Take up a reading saved by save() (in this or another process): the last window goes into the

@@ -221,3 +221,20 @@ def test_follow_up_re_reads_a_window_it_could_not_keep(engine, windowed):
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     window_tokens = sum(len(w.prefix_ids) for w in reading.windows) + len(reading.doc.token_ids)
     assert events[-1].prefill_tokens == kept_events[-1].prefill_tokens + window_tokens
+
+
+def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed, tmp_path):
+    text, reading, _, _, _, expected = windowed
+    reading.save(tmp_path / "all")
+    files = {p.name: p.stat().st_size for p in (tmp_path / "all").glob("window-*.safetensors")}
+    assert len(files) == len(reading.windows)
+    last, before = (f"window-{w.index}.safetensors" for w in (reading.windows[-1], reading.windows[-2]))
+    reading.save(tmp_path / "capped", max_bytes=files[last] + files[before] + 1)
+    assert sorted(p.name for p in (tmp_path / "capped").glob("window-*.safetensors")) == sorted([last, before])
+    # Reopened elsewhere: the windows left out are read again (with a notice each), the others are not.
+    reopened = engine.open(text, WINDOWED)
+    assert reopened.restore(tmp_path / "capped")
+    events = list(reopened.remargin(NEW))
+    assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
+    re_read = [e.text for e in events if isinstance(e, Notice) and "read again" in e.text]
+    assert len(re_read) == len(reading.windows) - 2
