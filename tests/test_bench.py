@@ -1,0 +1,120 @@
+"""Smoke tests of the benchmark instruments: both `--quick` runs finish and write well-formed results.
+
+They check the shape of the output (every row, every mode and task, numbers where numbers belong), never that a
+target is reached: timings on a shared CI machine say nothing. The scoring helpers are checked exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, shared
+
+
+def _run(module: str, out, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", module, "--quick", "--out", str(out), *extra]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_speed_quick(tmp_path):
+    shared("books", "pg84.txt")
+    done = _run("bench.speed", tmp_path)
+    data = json.loads((tmp_path / "speed.json").read_text())
+    md = (tmp_path / "speed.md").read_text()
+    rows = data["rows"]
+    assert sorted(rows) == ["1_wim_vs_plain", "2_naive_vs_wim", "3_reference_vs_wim", "4_prefill_efficiency",
+                            "5_decode_and_truncate", "6_followup", "7_memory"]
+    for key in ("1_wim_vs_plain", "2_naive_vs_wim", "3_reference_vs_wim", "6_followup"):
+        assert rows[key] and all(_number(r["ratio"]) and r["ratio"] > 0 for r in rows[key]), key
+    assert all(r["identical"] for r in rows["3_reference_vs_wim"])
+    for r in rows["1_wim_vs_plain"]:  # token accounting of both sides
+        assert all(_number(r["tokens"][m][k]) for m in ("wim", "plain") for k in ("prefill", "decode"))
+        assert r["tokens"]["wim"]["decode"] > r["tokens"]["plain"]["decode"]
+    assert len(rows["4_prefill_efficiency"]) == 3
+    assert all(_number(r["ratio"]) and _number(r["gflops"]) for r in rows["4_prefill_efficiency"])
+    assert any(_number(r["all_logits_ratio"]) for r in rows["4_prefill_efficiency"])
+    assert all(_number(v) for v in rows["5_decode_and_truncate"]["ratio"].values())
+    assert {r["mode"] for r in rows["7_memory"]} == {"wim", "plain", "naive", "reference"}
+    assert all(_number(r["ratio"]) and r["peak_bytes"] > r["weights_bytes"] for r in rows["7_memory"])
+    assert _number(data["meta"]["gemm"]["fp32_gflops"]) and _number(data["meta"]["gemm"]["bf16_gflops"])
+    for row in range(1, 8):
+        assert f"| {row} |" in md
+    assert "identical: True" in done.stdout
+
+
+def test_eval_quick(tmp_path):
+    """The way the README's table was made: cases generated once, run from the file, summarised by --report."""
+    shared("babi", "qa1_single-supporting-fact_test.txt")
+    cases = tmp_path / "cases.jsonl.gz"
+    _run("bench.eval", tmp_path, "--dump-cases", str(cases))
+    _run("bench.eval", tmp_path, "--cases", str(cases))
+    data = json.loads((tmp_path / "eval.json").read_text())
+    md = (tmp_path / "eval.md").read_text()
+    from bench.eval import MODES
+    from bench.tasks import TASKS
+    cells = {(r["task"], r["mode"]): r for r in data["results"]}
+    assert set(cells) == {(t, m) for t in TASKS for m in MODES}
+    for r in cells.values():
+        assert r["n"] == 1 and _number(r["score"]) and 0 <= r["lo"] <= r["score"] <= r["hi"] <= 1
+    for task in TASKS:
+        assert f"| {task} |" in md
+    assert all(m in md for m in MODES) and "n=1" in md and data["meta"]["model"] in md
+    # --report rebuilds the same table from the records alone, running nothing.
+    (tmp_path / "eval.md").unlink()
+    _run("bench.eval", tmp_path, "--cases", str(cases), "--report")
+    assert (tmp_path / "eval.md").read_text() == md
+
+
+def test_eval_shard_runs_only_its_cases(tmp_path):
+    cases = tmp_path / "cases.jsonl.gz"
+    _run("bench.eval", tmp_path, "--dump-cases", str(cases))
+    from bench.eval import read_cases
+    mine = read_cases(cases)[3::4]
+    _run("bench.eval", tmp_path, "--cases", str(cases), "--shard", "3/4", "--modes", "llm")
+    records = [json.loads(line) for line in (tmp_path / "eval_cases.shard3.jsonl").read_text().splitlines()]
+    assert sorted(r["case"] for r in records) == sorted(c.key for c in mine) and {r["mode"] for r in records} == {"llm"}
+    _run("bench.eval", tmp_path, "--cases", str(cases), "--modes", "llm", "--report")
+    counts = {r["task"]: r["n"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]}
+    assert counts == {c.task: int(c.task in {m.task for m in mine}) for c in read_cases(cases)}
+
+
+def test_scoring():
+    from bench.eval import bootstrap, list_score, short_score, wilson
+    assert short_score("The bathroom.", ["bathroom"])["exact"]
+    assert short_score("Sandra is in the bathroom", ["bathroom"])["contained"]
+    assert not short_score("bath", ["bathroom"])["contained"]
+    assert not short_score("I do not know", ["no"])["contained"]   # whole words only
+    gold = ["lantern", "compass", "music box"]
+    s = list_score("1. lantern, 2. music box, 3. kettle", gold)
+    assert s["precision"] == pytest.approx(2 / 3) and s["recall"] == pytest.approx(2 / 3)
+    assert list_score("", gold)["score"] == 0
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    assert wilson(0, 10)[0] == 0 and bootstrap([1.0] * 5) == (1.0, 1.0)
+
+
+def test_cases_are_reproducible_and_sized():
+    shared("books", "pg1342.txt")
+    from transformers import AutoTokenizer
+    from engine.model import convert_embedded
+    from bench.common import n_tokens
+    from bench.tasks import TASKS, make_case
+    tok = AutoTokenizer.from_pretrained(str(convert_embedded()))
+    for task in TASKS:
+        a, b, c = (make_case(task, 1500, i, tok) for i in (0, 0, 1))
+        assert a.text == b.text and a.query == b.query and a.answers == b.answers
+        assert a.text != c.text
+        assert 0.85 * 1500 <= n_tokens(tok, a.text) <= 1.1 * 1500
+        if task in ("babilong", "multihop"):
+            needles = a.info.get("chain", [])
+            assert all(n in a.text for n in needles)
