@@ -143,7 +143,7 @@ def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event
         raise
 
 
-# Disk a session's saved cache may take: a whole novel is ~25 windows of up to 360 MiB (SmolLM2, fp32). Past the
+# Disk a session's saved cache may take: a whole novel is ~40 windows of up to 360 MiB (SmolLM2, fp32). Past the
 # cap the earliest windows are not saved, and a follow-up on them reads that part again.
 SAVED_CACHE_BYTES = int(float(os.environ.get("MARGINALIA_SAVED_CACHE_MB", "2048")) * 2**20)
 
