@@ -388,7 +388,7 @@ class Reading:
                           "follow-up question will read that part again.")
         self.cache.truncate(window.doc_end)
         state = self.cache.state()
-        size = sum(t.numel() * t.element_size() for t in state.values())
+        size = self._state_bytes(state)
         if self.kept_bytes + size <= self.settings.window_cache_budget_bytes:
             window.tensors = {k: v.clone() for k, v in state.items()}
             self.kept_bytes += size
