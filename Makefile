@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test cli bench eval browser clean
+.PHONY: run test cli bench book eval browser clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ cli: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.speed $(ARGS)
+
+book: $(STAMP)
+	$(BIN)/python -m bench.book $(ARGS)
 
 eval: $(STAMP)
 	$(BIN)/python -m bench.eval $(ARGS)

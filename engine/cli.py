@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
+    read.add_argument("--events", type=Path, metavar="FILE",
+                      help="also write every event as a JSON line to FILE (next to the human output)")
     return parser
 
 
@@ -124,8 +126,16 @@ def cmd_read(args) -> int:
     engine = Engine.load(args.model, args.device, args.dtype)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings)
-    out = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \
+    show = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \
         else HumanOutput(len(reading.segments))
+    log = args.events.open("w", encoding="utf-8") if args.events else None
+
+    def out(ev) -> None:
+        show(ev)
+        if log and ev.kind not in ("margin_token", "answer_token"):  # the finished texts are in margin/answer
+            log.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
+            log.flush()
+
     stop = threading.Event()
     try:
         for ev in reading.read(query, stop):
@@ -136,6 +146,9 @@ def cmd_read(args) -> int:
     except KeyboardInterrupt:
         stop.set()
         return 130
+    finally:
+        if log:
+            log.close()
     if target and not args.jsonl:
         print(f"expected: {target}")
     return 0

@@ -75,6 +75,21 @@ def test_eval_quick(tmp_path):
     assert (tmp_path / "eval.md").read_text() == md
 
 
+def test_book_quick(tmp_path):
+    """The whole-book row: the CLI run in windows, its events read back into one result."""
+    shared("books", "pg1342.txt")
+    done = _run("bench.book", tmp_path)
+    r = json.loads((tmp_path / "book.json").read_text())["result"]
+    assert r["windows"] >= 2 and r["segments"] == r["segments_total"] == r["margins"] > r["windows"]
+    spans = [tuple(e["char_span"]) for e in map(json.loads, (tmp_path / "book_events.jsonl").read_text().splitlines())
+             if e["event"] == "segment"]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in order, none twice
+    assert [a["query"] for a in r["answers"]] == [r["query"], r["follow_up"]]
+    assert r["follow_up_answer"]["prefill_tokens"] < r["read"]["prefill_tokens"] / 5  # not read again
+    assert _number(r["ratio"]) and 0 < r["ratio"] and r["peak_rss_bytes"] > 2**27
+    assert "follow-up / first read" in (tmp_path / "book.md").read_text() and "answer:" in done.stdout
+
+
 def test_eval_shard_runs_only_its_cases(tmp_path):
     cases = tmp_path / "cases.jsonl.gz"
     _run("bench.eval", tmp_path, "--dump-cases", str(cases))
