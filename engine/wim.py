@@ -149,6 +149,7 @@ class Reading:
         self.doc_end = 0                     # cache length at the end of the last segment read
         self.window = 0                      # index of the window the cache holds
         self.windows: list[Window] = []      # every window so far; the last one is in `self.cache`
+        self.cache_window: Window | None = None  # the window the cache holds (another one mid-remargin)
         self.kept_bytes = 0                  # window caches held in memory
         self._spill: tempfile.TemporaryDirectory | None = None  # window caches on disk, removed with the reading
         self.document_tokens_prefilled = 0   # document tokens fed to the model over this reading's life
@@ -221,6 +222,7 @@ class Reading:
             self.runner.prefill(self.layout.prefix, self.cache, stop)
             self.doc_end = self.cache.length
             self.windows.append(Window(0, list(self.layout.prefix), self.doc_end))
+            self.cache_window = self.windows[-1]
             for seg in self.segments:
                 if (chosen is not None and seg.index not in chosen) or seg.index in self.skipped:
                     continue
@@ -291,31 +293,38 @@ class Reading:
                 if len(windows) > 1 and window.kept:
                     self._load_window(window)
                 elif len(windows) > 1:
-                    yield from self._reread_window(window, query, classifier, stop)
+                    yield from self._reread_window(window, stop, query, classifier)
                     continue
                 for index in window.segments:
                     yield from self._write_margin(self.segments[index], query, classifier, stop,
                                                   window.boundaries[index])
         except Stopped:
             if len(windows) > 1 and windows[-1].kept:
-                self._load_window(windows[-1])  # answers read the last window
+                self._load_window(windows[-1])  # answers read the last window (else answer() reads it again)
             yield self._stats("remargin", stopped=True)
             return
         yield self._stats("remargin")
 
-    def _reread_window(self, window: Window, query: str, classifier: Classifier, stop) -> Iterator[Event]:
-        """Fallback of remargin() for a window whose cache was not kept: build it again from its prefix and
-        segments, as they were read the first time, writing the new margins on the way; then try to keep it."""
-        yield Notice(f"The cache of window {window.index + 1} was not kept: segments {window.segments[0] + 1}-"
-                     f"{window.segments[-1] + 1} are read again for the new question.")
+    def _reread_window(self, window: Window, stop, query: str | None = None,
+                       classifier: Classifier | None = None) -> Iterator[Event]:
+        """Build a window's cache again from its prefix and segments, as they were read the first time: for
+        remargin(), a window whose cache was not kept (writing `query`'s margins on the way, then trying to
+        keep it); for answer(), the last window when a stopped remargin left another one in the cache."""
+        span = f"segments {window.segments[0] + 1}-{window.segments[-1] + 1}"
+        yield Notice(f"The cache of window {window.index + 1} was not kept: {span} are read again for the new "
+                     "question." if query is not None else
+                     f"A stopped follow-up left another part of the text in the cache: window {window.index + 1} "
+                     f"({span}) is read again for the answer.")
         self.cache.truncate(0)
+        self.cache_window = window
         with self.engine.lock:
             self.runner.prefill(window.prefix_ids, self.cache, stop)
         self.doc_end = self.cache.length
         for index in window.segments:
             self._prefill_segment(self.segments[index], window, stop)
-            yield from self._write_margin(self.segments[index], query, classifier, stop)
-        if window is not self.windows[-1]:
+            if query is not None:
+                yield from self._write_margin(self.segments[index], query, classifier, stop)
+        if query is not None and window is not self.windows[-1]:
             self._keep_window(window)  # quietly: the notice above has said what happens
 
     def _masked_forward(self, ids: list[int], visible: int, stop) -> torch.Tensor:
@@ -342,20 +351,16 @@ class Reading:
         notice = self._keep_window(self.windows[-1])
         if notice:
             yield notice
-        notes = self.default_selection()
-        budget = self.limit // 4
-        while True:
-            lines = "\n".join(f"- (part {i + 1}) {self.margins[i].text}" for i in notes) or "(none so far)"
-            prefix = self.layout.window_prefix(lines)
-            if len(prefix) <= len(self.layout.prefix) + budget or not notes:
-                break
-            notes.pop(0)  # the oldest notes give way first
+        notes = {i: self.margins[i].text for i in self.default_selection()}
+        prefix, notes, _ = self._fit_notes(notes, lambda lines: self.layout.window_prefix(lines or "(none so far)"),
+                                           len(self.layout.prefix) + self.limit // 4, in_cache=set())
         self.window += 1
         self.cache.truncate(0)
         with self.engine.lock:
             self.runner.prefill(prefix, self.cache, stop)
         self.doc_end = self.cache.length
         self.windows.append(Window(self.window, prefix, self.doc_end))
+        self.cache_window = self.windows[-1]
         yield WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
 
     def _slide(self, seg: Segment) -> WindowStart:
@@ -423,6 +428,7 @@ class Reading:
             tensors = load_file(window.path)
         self.cache.load_state(tensors, self.engine.lm.device)
         self.doc_end = window.doc_end
+        self.cache_window = window
 
     # ---- saving a finished reading for another process ------------------------------------------------
     SAVED = "reading.json"
@@ -514,6 +520,7 @@ class Reading:
         self.read_segments.clear()
         self.doc_end = 0
         self.window = 0
+        self.cache_window = None
         self._forget_windows()
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
@@ -577,6 +584,13 @@ class Reading:
             raise RuntimeError("Nothing has been read yet: call read() first.")
         query = query.strip()
         self.meter = self.runner.meter = Meter()
+        if self.cache_window is not self.windows[-1]:
+            try:
+                yield from self._reread_window(self.windows[-1], stop)
+            except Stopped:
+                self.cache_window = None  # half built: the next answer builds it again
+                yield self._stats("answer", stopped=True)
+                return
         self.cache.truncate(self.doc_end)
         if isinstance(margins, dict):
             notes = dict(sorted(margins.items()))
@@ -610,14 +624,28 @@ class Reading:
 
     def _answer_prompt(self, query: str, notes: dict[int, str]) -> tuple[list[int], list[int], list[int]]:
         """Answer suffix with as many of the chosen margins as fit before the answer's own room."""
-        room = self.limit - self.doc_end - self.settings.answer_tokens
+        return self._fit_notes(notes, lambda lines: self.layout.suffix("answer", query=query, margins=lines or "(none)"),
+                               self.limit - self.doc_end - self.settings.answer_tokens,
+                               in_cache=set(self.windows[-1].segments))
+
+    def _fit_notes(self, notes: dict[int, str], build, room: int, in_cache: set[int]
+                   ) -> tuple[list[int], list[int], list[int]]:
+        """(ids, used, dropped): the prompt `build(lines)` made with as many of `notes` (in text order) as fit
+        in `room` tokens. Given up first, when not all fit: notes on segments whose text is in the cache anyway
+        (the prompt follows that text), then the lowest classifier scores, then the earliest. A whole novel has
+        ~130 kept margins and room for ~25: keeping the first 25 would lose every late chapter."""
+        def score(i: int) -> float:
+            note = self.margins.get(i)
+            return 1.0 if note is None or note.score is None else note.score
+        give_up = iter(sorted(notes, key=lambda i: (i not in in_cache, score(i), i)))
         used, dropped = list(notes), []
         while True:
-            lines = "\n".join(f"- (part {i + 1}) {notes[i]}" for i in used) or "(none)"
-            ids = self.layout.suffix("answer", query=query, margins=lines)
+            ids = build("\n".join(f"- (part {i + 1}) {notes[i]}" for i in used))
             if len(ids) <= room or not used:
-                return ids, used, dropped
-            dropped.insert(0, used.pop())  # drop from the end: earlier margins were written first
+                return ids, used, sorted(dropped)
+            victim = next(give_up)
+            used.remove(victim)
+            dropped.append(victim)
 
     def _stats(self, phase: str, stopped: bool = False) -> Stats:
         m = self.meter

@@ -1,6 +1,8 @@
 """Reading past the context window: every segment read once, every segment gets a margin, memory bounded."""
 from __future__ import annotations
 
+import copy
+import threading
 from dataclasses import replace
 
 import pytest
@@ -221,6 +223,42 @@ def test_follow_up_re_reads_a_window_it_could_not_keep(engine, windowed):
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     window_tokens = sum(len(w.prefix_ids) for w in reading.windows) + len(reading.doc.token_ids)
     assert events[-1].prefill_tokens == kept_events[-1].prefill_tokens + window_tokens
+
+
+def test_an_answer_after_a_stopped_follow_up_reads_the_last_window_again(engine, windowed):
+    """Stopping a follow-up whose windows were not kept leaves an earlier window in the cache: the next answer
+    must not read that one, but build the last window again (with a notice) and answer as before."""
+    reading = engine.open(windowed[0], replace(WINDOWED, window_cache_budget_bytes=0, window_cache_disk=False))
+    list(reading.read(OLD))
+    last_window = {k: v.clone() for k, v in reading.cache.state().items()}
+    first = next(e for e in reading.answer(OLD) if isinstance(e, Answer))
+    notes = {i: reading.margins[i].text for i in first.margins_used}
+    stop = threading.Event()
+    for ev in reading.remargin(NEW, stop):
+        if isinstance(ev, Margin):
+            stop.set()  # in window 0, which remargin had to read again
+    assert ev.stopped and reading.cache_window is reading.windows[0]
+    events = list(reading.answer(OLD, margins=notes))
+    assert any(isinstance(e, Notice) and "read again for the answer" in e.text for e in events)
+    assert next(e for e in events if isinstance(e, Answer)).text == first.text
+    state = reading.cache.state()
+    assert state.keys() == last_window.keys() and all(torch.equal(state[k], last_window[k]) for k in state)
+
+
+def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_then_oldest(windowed):
+    """A novel keeps ~130 margins and the answer has room for ~25. Those given up first: margins on segments
+    still in the cache (the answer reads their text), then the lowest scores, then the earliest."""
+    from engine.wim import MarginNote
+    reading = copy.copy(windowed[1])  # the margins below are this test's own
+    n = len(reading.segments)
+    reading.margins = {i: MarginNote(i, "", True, 0.9 if i % 2 else 0.6) for i in range(n)}
+    notes = {i: "Alice saw the White Rabbit run past her. " * 3 for i in range(n)}  # ~30 tokens: not all fit
+    ids, used, dropped = reading._answer_prompt(NEW, notes)
+    assert used and dropped and sorted(used + dropped) == list(range(n)) and used == sorted(used)
+    last = reading.windows[-1].segments
+    order = last + [i for i in range(n) if i not in last and i % 2 == 0] + [i for i in range(n) if i not in last and i % 2]
+    assert set(dropped) == set(order[:len(dropped)])
+    assert len(ids) <= reading.limit - reading.doc_end - reading.settings.answer_tokens
 
 
 def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed, tmp_path):
