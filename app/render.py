@@ -79,6 +79,7 @@ class Panel:
     tokens_per_s: float | None = None
     eta_s: float | None = None
     used: set[int] = field(default_factory=set)      # margins the latest answer used
+    window: int = 0        # context window being read (0: the first; a long text is read in several)
     classifier: str = "llm"
     ready: bool = True   # False only in the page's initial HTML, before the load event has run
 
@@ -168,6 +169,10 @@ def panel_html(panel: Panel) -> str:
         meta.append(f"<span>{panel.tokens_per_s:,.0f} tokens/s</span>")
     if panel.status in ("reading", "queued") and panel.eta_s is not None:
         meta.append(f"<span>about {esc(duration(panel.eta_s))} left</span>")
+    if panel.window:
+        meta.append(f'<span class="mg-window" title="The text read before this window is no longer in the model\'s '
+                    f'cache: the answer sees it only through the margin notes.">window {panel.window + 1} · '
+                    f'earlier text held only in margins</span>')
     cards = "".join(card_html(panel.cards[i], panel.classifier, i in panel.used) for i in sorted(panel.cards))
     if not cards:
         cards = ('<div class="mg-placeholder">Margin notes appear here, one per segment, as the model writes '

@@ -511,6 +511,7 @@ class Service:
             elif isinstance(ev, WindowStart):
                 held = ("its margin notes" if ev.reason.startswith("sliding")
                         else f"{ev.carried_margins} margin note(s)")
+                panel.window = ev.window
                 panel.message = (f"New context window from segment {ev.first_segment + 1}: the text before it "
                                  f"lives on in {held}.")
                 yield {"panel": render.panel_html(panel)}

@@ -165,6 +165,25 @@ def test_formatting():
     assert render.duration(None) == "—"
 
 
+def test_a_text_past_the_window_shows_which_window_is_read(engine, tmp_path):
+    """Read in several windows: the panel says which window is read and that earlier text is held only in
+    the margins; every segment still gets its margin."""
+    service = Service(engine, Store(tmp_path / "marginalia.db"),
+                      Defaults(segment_tokens=64, margin_tokens=8, answer_tokens=8, classifier="none",
+                               context_limit=512))
+    text = TEXT * 2
+    doc = service.store.add_document("pride.txt", "txt", "Pride and Prejudice", text,
+                                     hashlib.sha256(text.encode()).hexdigest())
+    sid = service.start_read("alice", doc, "Who is in want of a wife?", service.settings())
+    panels = [u["panel"] for u in service.read_stream("alice", sid) if u.get("panel")]
+    assert any("New context window from segment" in p for p in panels)
+    assert "window 2 · earlier text held only in margins" in "".join(panels)
+    assert "window 1 ·" not in "".join(panels)  # the first window is not labelled: most texts have one only
+    session = service.store.get_session(sid)
+    assert session["status"] == "read"
+    assert len(service.store.margins(sid)) == session["segments_total"] == session["segments_read"] > 2
+
+
 def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path):
     """Read, answer, restart (new Service and Store objects, the worker's readings gone), ask again: the
     answer comes from the cache saved beside the database, with no document token prefilled again."""
