@@ -232,6 +232,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
             scratch.crop(-scratch.get_seq_length())  # the public code empties its classifier cache the same way
         else:
             kept.append(seg.index)
+    reading.doc_end = doc.get_seq_length()  # the engine's reading never read: give it this cache's length
     ids, used, _ = reading._answer_prompt(query, {i: notes[i] for i in kept if notes[i]})
     logits = ref.prefill(ids, doc)
     room = reading.limit - doc.get_seq_length()

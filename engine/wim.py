@@ -626,7 +626,7 @@ class Reading:
         """Answer suffix with as many of the chosen margins as fit before the answer's own room."""
         return self._fit_notes(notes, lambda lines: self.layout.suffix("answer", query=query, margins=lines or "(none)"),
                                self.limit - self.doc_end - self.settings.answer_tokens,
-                               in_cache=set(self.windows[-1].segments))
+                               in_cache=set(self.windows[-1].segments) if self.windows else set())
 
     def _fit_notes(self, notes: dict[int, str], build, room: int, in_cache: set[int]
                    ) -> tuple[list[int], list[int], list[int]]:
