@@ -49,6 +49,7 @@ def summarise(events: list[dict], wall: float, peak_rss: int, book: Path, query:
     segments = [e for e in events if e["event"] == "segment"]
     margins = [e for e in events if e["event"] == "margin"]
     first_read = read["seconds"] + first_answer["seconds"]
+    text_tokens = sum(e["tokens"] for e in segments)
     return {
         "book": book.name, "args": extra, "query": query, "follow_up": follow_up,
         "segments": len(segments), "segments_total": segments[-1]["total"] if segments else 0,
@@ -58,8 +59,7 @@ def summarise(events: list[dict], wall: float, peak_rss: int, book: Path, query:
         "read": read, "answer": first_answer, "follow_up_answer": follow,
         "first_read_seconds": round(first_read, 2), "follow_up_seconds": follow["seconds"],
         "ratio": round(follow["seconds"] / first_read, 5), "target": TARGET,
-        "document_tokens": sum(e["tokens"] for e in segments),
-        "document_tokens_per_s": round(sum(e["tokens"] for e in segments) / read["seconds"], 2),
+        "document_tokens": text_tokens, "document_tokens_per_s": round(text_tokens / read["seconds"], 2),
         "reading_tokens_per_s": round((read["prefill_tokens"] + read["decode_tokens"]) / read["seconds"], 2),
         "wall_seconds": round(wall, 1), "peak_rss_bytes": peak_rss,
         "answers": [{"query": a["query"], "text": a["text"], "margins_used": len(a["margins_used"])}

@@ -147,7 +147,7 @@ class Reading:
         self.margins: dict[int, MarginNote] = {}
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
-        self.window = 0                      # index of the window the cache holds
+        self.window = 0                      # index of the window being read (sliding: evictions so far)
         self.windows: list[Window] = []      # every window so far; the last one is in `self.cache`
         self.cache_window: Window | None = None  # the window the cache holds (another one mid-remargin)
         self.kept_bytes = 0                  # window caches held in memory
