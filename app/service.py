@@ -491,7 +491,7 @@ class Service:
                 seg = segments[ev.index]
                 pages = seg.pages or (None, None)
                 self.store.save_margin(sid, ev.index, ev.text, ev.relevant, ev.score, seg.char_start, seg.char_end,
-                                       pages[0], pages[1], ev.tokens, ev.seconds)
+                                       pages[0], pages[1], ev.tokens, ev.seconds, ev.spans)
                 card = panel.cards.setdefault(ev.index, Card(ev.index, seg.pages))
                 card.text, card.verdict, card.score, card.done = ev.text, ev.relevant, ev.score, True
                 new_done += 1

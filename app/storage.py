@@ -138,6 +138,13 @@ def m002_session_cache_path(db: sqlite_utils.Database) -> None:
     db["sessions"].add_column("cache_path", str)
 
 
+@migration
+def m003_margin_spans(db: sqlite_utils.Database) -> None:
+    # The passages an extractive margin copied: a JSON list of [char_start, char_end] offsets into the
+    # document's text, in the order the margin quotes them. NULL or []: a free-form margin, or nothing relevant.
+    db["margins"].add_column("spans", str)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -315,8 +322,10 @@ class Store:
     def save_margin(self, session_id: str, segment_index: int, text: str, verdict: bool | None,
                     score: float | None, char_start: int, char_end: int,
                     page_start: int | None = None, page_end: int | None = None,
-                    tokens: int = 0, seconds: float = 0.0) -> None:
+                    tokens: int = 0, seconds: float = 0.0,
+                    spans: list[tuple[int, int]] | tuple = ()) -> None:
         """Insert or replace the margin for this segment, keeping any mark the reader set.
+        `spans`: the document passages the margin copied, as (char_start, char_end) pairs.
 
         Also sets sessions.segments_read to the number of margins, in the same transaction.
         """
@@ -326,15 +335,15 @@ class Store:
             # and `mark` and `created` must survive a re-read of the segment.
             db.execute(
                 """INSERT INTO margins (session_id, segment_index, char_start, char_end, page_start,
-                       page_end, text, verdict, score, mark, tokens, seconds, created)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?)
+                       page_end, text, verdict, score, mark, tokens, seconds, spans, created)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?)
                    ON CONFLICT (session_id, segment_index) DO UPDATE SET
                        char_start = excluded.char_start, char_end = excluded.char_end,
                        page_start = excluded.page_start, page_end = excluded.page_end,
                        text = excluded.text, verdict = excluded.verdict, score = excluded.score,
-                       tokens = excluded.tokens, seconds = excluded.seconds""",
+                       tokens = excluded.tokens, seconds = excluded.seconds, spans = excluded.spans""",
                 [session_id, segment_index, char_start, char_end, page_start, page_end, text,
-                 _bit(verdict), score, tokens, seconds, now],
+                 _bit(verdict), score, tokens, seconds, json.dumps([list(s) for s in spans]), now],
             )
             db.execute(
                 """UPDATE sessions SET updated = ?,
@@ -363,6 +372,7 @@ class Store:
                 "SELECT * FROM margins WHERE session_id = ? ORDER BY segment_index", [session_id]))
         for row in rows:
             row["verdict"], row["mark"] = _flag(row["verdict"]), _flag(row["mark"])
+            row["spans"] = [tuple(s) for s in _loads(row.get("spans"), [])]
             row["effective"] = row["mark"] if row["mark"] is not None else row["verdict"]
         return rows
 

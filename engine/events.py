@@ -51,7 +51,10 @@ class MarginToken(Event):
 
 @dataclass(frozen=True)
 class Margin(Event):
-    """A finished margin note, with the classifier's verdict (None when classifier is `none`)."""
+    """A finished margin note, with the classifier's verdict (None when classifier is `none`).
+
+    `spans`: for an extractive margin, the (start, end) character offsets in the document text of each piece
+    it copied, in order (the note is those pieces joined); empty for a free-form margin or "nothing relevant"."""
     kind: ClassVar[str] = "margin"
     index: int
     text: str
@@ -60,6 +63,7 @@ class Margin(Event):
     tokens: int = 0
     seconds: float = 0.0
     pages: tuple[int, int] | None = None
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
