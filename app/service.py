@@ -43,6 +43,10 @@ WARMUP_TEXT = (
     "each night in her own hand.")
 
 
+# A reading estimated to take longer than this gets a warning with the estimate before it starts.
+LONG_READ_SECONDS = 3600
+
+
 class UserError(Exception):
     """Something the reader can fix; the message is shown on screen as is."""
 
@@ -129,16 +133,18 @@ class Service:
         except (TypeError, ValueError) as e:
             raise UserError(f"Those settings don't work: {e}") from e
 
-    def add_upload(self, path: str | None) -> int:
-        """Read an uploaded file and store it; returns the document id. UserError for a bad file."""
+    def add_upload(self, path: str | None) -> tuple[int, tuple[str, ...]]:
+        """Read an uploaded file and store it; returns the document id and notices about how it was read
+        (e.g. bytes replaced). UserError for a bad file, and then nothing is stored."""
         if not path:
             raise UserError("Please choose a file to upload.")
         try:
             doc = load_document(path, os.path.basename(path))
         except IngestError as e:
             raise UserError(str(e)) from e
-        return self.store.add_document(os.path.basename(path), doc.kind, doc.title, doc.text, doc.sha256,
-                                       doc.page_starts)
+        doc_id = self.store.add_document(os.path.basename(path), doc.kind, doc.title, doc.text, doc.sha256,
+                                         doc.page_starts)
+        return doc_id, doc.notices
 
     def _open(self, doc: dict, settings: Settings):
         """Segment the document for this model (raises DocumentTooLong / ValueError)."""
@@ -148,11 +154,15 @@ class Service:
         doc = self.store.get_document(doc_id) if doc_id else None
         if doc is None:
             return render.no_document()
-        problem, note, tokens, segments, estimate = "", "", None, None, None
+        problem, note, warning, tokens, segments, estimate = "", "", "", None, None, None
         try:
             reading = self._open(doc, settings)
             tokens, segments = len(reading.doc.token_ids), len(reading.segments)
             estimate = self.estimate_seconds(tokens, segments, settings)
+            if estimate > LONG_READ_SECONDS:
+                warning = (f"Reading all of it will take about {render.duration(estimate)} on this machine. "
+                           "You can Stop at any point and keep the margins written so far, or upload one part "
+                           "of the document.")
             note = getattr(reading, "document_note", lambda: None)() or ""  # e.g. "read in 3 windows"
         except DocumentTooLong as e:
             problem = str(e)
@@ -160,7 +170,7 @@ class Service:
             problem = str(e)
         return render.document_html(doc["title"] or doc["name"], doc["kind"], doc["name"], doc["pages"],
                                     doc["chars"], tokens, segments, settings.segment_tokens, estimate, problem,
-                                    note)
+                                    note, warning)
 
     # ------------------------------------------------------------------ sessions
 
