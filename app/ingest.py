@@ -334,12 +334,13 @@ def _load_epub(data: bytes, name: str, limits: Limits, notices: list[str]):
         if paths and set(paths) & _encrypted_paths(zf, names, budget):
             raise IngestError(f"“{name}” is DRM-protected, so its text can't be read. "
                               "Please upload a DRM-free copy of the book.")
-        chapters, chars = [], 0
+        chapters, chars, not_text = [], 0, 0
         for path in paths:
             try:
                 text = _html_to_text(budget.read(zf, path))
             except zipfile.BadZipFile as e:  # CRC mismatch, bad compressed data, a size that lies
                 raise broken from e
+            not_text += text is None
             if text:
                 chapters.append(text)
                 chars += len(text)
@@ -347,6 +348,9 @@ def _load_epub(data: bytes, name: str, limits: Limits, notices: list[str]):
     if not chapters:
         raise IngestError(f"“{name}” contains no readable chapters. "
                           "Please check that the book opens in an e-book reader, or try a PDF or .txt version.")
+    if not_text:
+        notices.append(f"{not_text} chapter{'s' if not_text != 1 else ''} of “{name}” {'were' if not_text != 1 else 'was'}"
+                       " not text and skipped.")
     return title, "\n\n".join(chapters), None
 
 
@@ -436,11 +440,20 @@ class _TextExtractor(HTMLParser):
             self.parts.append(re.sub(r"\s+", " ", data))  # source line breaks are not paragraph breaks
 
 
-def _html_to_text(raw: bytes) -> str:
-    """XHTML chapter -> paragraphs separated by blank lines (EPUB requires UTF-8 or UTF-16)."""
+# A document type declaration, internal subset included: HTMLParser would leak the subset's end as text.
+# Entities declared there are never expanded (HTMLParser knows only HTML's own), so no "billion laughs".
+_DOCTYPE = re.compile(r"<!DOCTYPE[^\[>]*(?:\[.*?\][ \t\r\n]*)?>", re.IGNORECASE | re.DOTALL)
+
+
+def _html_to_text(raw: bytes) -> str | None:
+    """XHTML chapter -> paragraphs separated by blank lines (EPUB requires UTF-8 or UTF-16); None when the
+    chapter is not text at all (an image or a binary blob listed as XHTML)."""
     is_utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    markup, bad = _decode_counting(raw, "utf-16" if is_utf16 else "utf-8-sig")
+    if bad > BAD_BYTES_TOLERATED * len(raw) or markup.count("\x00") > len(markup) // 1000:
+        return None
     parser = _TextExtractor()
-    parser.feed(raw.decode("utf-16" if is_utf16 else "utf-8-sig", errors="replace"))
+    parser.feed(_DOCTYPE.sub("", markup, count=1))
     parser.close()
     paragraphs = ("\n".join(line.strip() for line in p.split("\n") if line.strip())
                   for p in re.split(r"\n[ ]*\n", "".join(parser.parts)))
