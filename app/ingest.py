@@ -44,7 +44,6 @@ class Limits:
 
 
 LIMITS = Limits()
-MAX_FILE_BYTES = LIMITS.file_bytes
 # Tolerant decoding: a text file with at most this share of bytes that are not valid in its encoding is
 # read with them replaced (and a notice); more than that, and it is not text.
 BAD_BYTES_TOLERATED = 0.01
