@@ -35,6 +35,7 @@ SERVER_ARGS = ["--segment-tokens", "64", "--margin-tokens", "8", "--answer-token
                "--no-warm-up"]
 BOOKS = ["pg11.txt", "pg84.txt", "pg1342.txt", "pg1661.txt", "pg1952_yellow_wallpaper_with_pg_header.txt"]
 LATENCY_TARGET_S = 0.5
+IDLE_ROUNDS = 5  # reopen/mark rounds per browser once the engine is idle: the baseline for the busy figures
 QUESTION = "Who is speaking, and where?"
 FIRST_QUESTION = "What is the first thing said?"  # each browser's first reading, stopped at once
 
@@ -184,15 +185,25 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
                                    "document.querySelector('#margin-panel .mg-panel').dataset.status)",
                                    timeout=max(1, int((deadline_s - (time.monotonic() - started)) * 1000)))
             browser_done.append(panel_state(page)["status"])
+        for t in threads:
+            t.join(timeout=max(1, deadline_s - (time.monotonic() - started)))
+        wall = time.monotonic() - started  # the readings' part; the idle rounds below are not in it
+        # The same, with the engine idle: what the machine and the browser cost on their own.
+        idle_reopen_s, idle_marks_s = [], []
+        for _ in range(IDLE_ROUNDS):
+            for page, (first, second) in zip(pages, browser_sessions):
+                idle_reopen_s.append(reopen(page, FIRST_QUESTION, first))
+                idle_reopen_s.append(reopen(page, QUESTION, second))
+                latency = mark_latency(page, db, second)
+                if latency is not None:
+                    idle_marks_s.append(latency)
+        for i, page in enumerate(pages):
             # Each browser's list holds exactly its own two readings.
             page.click("#sessions input")
             options = page.locator("ul[role=listbox] li")
-            browser_done[-1] = (browser_done[-1], options.count())
+            browser_done[i] = (browser_done[i], options.count())
             page.keyboard.press("Escape")
         chromium.close()
-    for t in threads:
-        t.join(timeout=max(1, deadline_s - (time.monotonic() - started)))
-    wall = time.monotonic() - started
 
     # Isolation through the API: client i asks about client i+1's session with its own owner id.
     refused = 0
@@ -221,6 +232,8 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
         "max_api_rank": max((max(r["ranks"]) for r in results.values() if r["ranks"]), default=None),
         "reopen_s": [round(x, 3) for x in reopen_s], "marks_s": [round(x, 3) for x in marks_s],
         "reopen_p95_s": p95(reopen_s), "marks_p95_s": p95(marks_s),
+        "idle_reopen_s": [round(x, 3) for x in idle_reopen_s], "idle_marks_s": [round(x, 3) for x in idle_marks_s],
+        "idle_reopen_p95_s": p95(idle_reopen_s), "idle_marks_p95_s": p95(idle_marks_s),
         "cross_session_asks": asked, "cross_session_refused": refused, "integrity_check": integrity,
     }
 
@@ -240,6 +253,9 @@ def summary(figures: dict) -> str:
         f"max {fmt(max(figures['reopen_s'], default=None))}); mark committed: p95 {fmt(figures['marks_p95_s'])} "
         f"(n={len(figures['marks_s'])}, max {fmt(max(figures['marks_s'], default=None))}); target "
         f"{LATENCY_TARGET_S} s",
+        f"the same with the engine idle: reopen p95 {fmt(figures['idle_reopen_p95_s'])} "
+        f"(n={len(figures['idle_reopen_s'])}), mark p95 {fmt(figures['idle_marks_p95_s'])} "
+        f"(n={len(figures['idle_marks_s'])})",
         f"another client's session asked through /answer: {figures['cross_session_refused']} of "
         f"{figures['cross_session_asks']} refused; PRAGMA integrity_check: {figures['integrity_check']}",
     ])
