@@ -146,8 +146,17 @@ def mark_latency(page, db: Path, session_id: str) -> float | None:
 
 # ---------------------------------------------------------------- the run
 
-def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: float = 900) -> dict:
-    from playwright.sync_api import sync_playwright
+def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: float = 900,
+        chromium=None) -> dict:
+    """The load run against the app at `url`; `chromium`: a Playwright browser to use (else one is launched)."""
+    if chromium is None:
+        from playwright.sync_api import sync_playwright
+        with sync_playwright() as p:
+            launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                return run(url, db, folder, api, browsers, deadline_s, launched)
+            finally:
+                launched.close()
 
     docs = documents(folder, api + browsers)
     results: dict[int, dict] = {}
@@ -157,53 +166,52 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
     for t in threads:
         t.start()
     reopen_s, marks_s, queue_lines, browser_sessions = [], [], [], []
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        contexts = [chromium.new_context(viewport={"width": 1300, "height": 900}) for _ in range(browsers)]
-        pages = [c.new_page() for c in contexts]
-        # Each browser: a first reading it stops at once (a second session to switch to), then its reading.
-        for b, page in enumerate(pages):
-            first = browser_start(page, url, docs[api + b], FIRST_QUESTION)
-            page.click("#stop-btn")
-            second = browser_start(page, url, docs[api + b])
-            queue_lines.append(second["text"])
-            browser_sessions.append((first["session"], second["session"]))
-        # While the engine works through the queue: switch sessions and flip marks, over and over.
-        busy = lambda: any(t.is_alive() for t in threads) or any(
-            panel_state(pg)["status"] in ("queued", "reading") for pg in pages)
-        while busy() and time.monotonic() - started < deadline_s:
-            for page, (first, second) in zip(pages, browser_sessions):
-                reopen_s.append(reopen(page, FIRST_QUESTION, first))
-                reopen_s.append(reopen(page, QUESTION, second))
-                latency = mark_latency(page, db, second)
-                if latency is not None:
-                    marks_s.append(latency)
-            time.sleep(0.2)
-        browser_done = []
+    contexts = [chromium.new_context(viewport={"width": 1300, "height": 900}) for _ in range(browsers)]
+    pages = [c.new_page() for c in contexts]
+    # Each browser: a first reading it stops at once (a second session to switch to), then its reading.
+    for b, page in enumerate(pages):
+        first = browser_start(page, url, docs[api + b], FIRST_QUESTION)
+        page.click("#stop-btn")
+        second = browser_start(page, url, docs[api + b])
+        queue_lines.append(second["text"])
+        browser_sessions.append((first["session"], second["session"]))
+    # While the engine works through the queue: switch sessions and flip marks, over and over.
+    busy = lambda: any(t.is_alive() for t in threads) or any(
+        panel_state(pg)["status"] in ("queued", "reading") for pg in pages)
+    while busy() and time.monotonic() - started < deadline_s:
         for page, (first, second) in zip(pages, browser_sessions):
-            page.wait_for_function("() => ['done', 'stopped'].includes("
-                                   "document.querySelector('#margin-panel .mg-panel').dataset.status)",
-                                   timeout=max(1, int((deadline_s - (time.monotonic() - started)) * 1000)))
-            browser_done.append(panel_state(page)["status"])
-        for t in threads:
-            t.join(timeout=max(1, deadline_s - (time.monotonic() - started)))
-        wall = time.monotonic() - started  # the readings' part; the idle rounds below are not in it
-        # The same, with the engine idle: what the machine and the browser cost on their own.
-        idle_reopen_s, idle_marks_s = [], []
-        for _ in range(IDLE_ROUNDS):
-            for page, (first, second) in zip(pages, browser_sessions):
-                idle_reopen_s.append(reopen(page, FIRST_QUESTION, first))
-                idle_reopen_s.append(reopen(page, QUESTION, second))
-                latency = mark_latency(page, db, second)
-                if latency is not None:
-                    idle_marks_s.append(latency)
-        for i, page in enumerate(pages):
-            # Each browser's list holds exactly its own two readings.
-            page.click("#sessions input")
-            options = page.locator("ul[role=listbox] li")
-            browser_done[i] = (browser_done[i], options.count())
-            page.keyboard.press("Escape")
-        chromium.close()
+            reopen_s.append(reopen(page, FIRST_QUESTION, first))
+            reopen_s.append(reopen(page, QUESTION, second))
+            latency = mark_latency(page, db, second)
+            if latency is not None:
+                marks_s.append(latency)
+        time.sleep(0.2)
+    browser_done = []
+    for page, (first, second) in zip(pages, browser_sessions):
+        page.wait_for_function("() => ['done', 'stopped'].includes("
+                               "document.querySelector('#margin-panel .mg-panel').dataset.status)",
+                               timeout=max(1, int((deadline_s - (time.monotonic() - started)) * 1000)))
+        browser_done.append(panel_state(page)["status"])
+    for t in threads:
+        t.join(timeout=max(1, deadline_s - (time.monotonic() - started)))
+    wall = time.monotonic() - started  # the readings' part; the idle rounds below are not in it
+    # The same, with the engine idle: what the machine and the browser cost on their own.
+    idle_reopen_s, idle_marks_s = [], []
+    for _ in range(IDLE_ROUNDS):
+        for page, (first, second) in zip(pages, browser_sessions):
+            idle_reopen_s.append(reopen(page, FIRST_QUESTION, first))
+            idle_reopen_s.append(reopen(page, QUESTION, second))
+            latency = mark_latency(page, db, second)
+            if latency is not None:
+                idle_marks_s.append(latency)
+    for i, page in enumerate(pages):
+        # Each browser's list holds exactly its own two readings.
+        page.click("#sessions input")
+        options = page.locator("ul[role=listbox] li")
+        browser_done[i] = (browser_done[i], options.count())
+        page.keyboard.press("Escape")
+    for c in contexts:
+        c.close()
 
     # Isolation through the API: client i asks about client i+1's session with its own owner id.
     refused = 0

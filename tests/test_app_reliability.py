@@ -88,7 +88,8 @@ def test_upload_over_the_limit_is_refused(server):
 
 
 def test_many_readers_at_once(server, chromium, tmp_path, capsys):
-    figures = load.run(server.url, server.data_dir / "marginalia.db", tmp_path, api=3, browsers=1, deadline_s=900)
+    figures = load.run(server.url, server.data_dir / "marginalia.db", tmp_path, api=3, browsers=1, deadline_s=900,
+                       chromium=chromium)
     with capsys.disabled():
         print("\n" + load.summary(figures))
     api = list(figures["api"].values())
