@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test cli bench book eval browser clean
+.PHONY: run test cli bench book eval load browser clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ book: $(STAMP)
 
 eval: $(STAMP)
 	$(BIN)/python -m bench.eval $(ARGS)
+
+# Many readers at once: 8 API clients + 2 browsers against one `python app.py` on 127.0.0.1 (prints the figures).
+load: $(STAMP) browser
+	$(BIN)/python -m bench.load $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.queue(default_concurrency_limit=1)
     log.info("data in %s; serving on http://%s:%d", data_dir, args.host, args.port)
     demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
-                max_file_size=ingest.MAX_FILE_BYTES, blocked_paths=[str(data_dir)], show_error=True,
+                max_file_size=ingest.LIMITS.file_bytes, blocked_paths=[str(data_dir)], show_error=True,
                 **web.launch_kwargs())
 
 

@@ -26,11 +26,27 @@ import pypdfium2.raw as pdfium_c
 
 log = logging.getLogger(__name__)
 
-MAX_FILE_BYTES = 50 * 1024 * 1024
 KINDS = {".txt": "txt", ".md": "md", ".pdf": "pdf", ".epub": "epub"}
 
 # PDFium keeps global state and is not thread-safe; the app serves several users at once.
 _PDFIUM_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one upload may cost before any work is done on it. A hosted app takes files from anyone: each
+    budget is checked before (or while) the work it bounds is done, never after."""
+    file_bytes: int = 50 * 2**20            # the upload as sent (also Gradio's max_file_size, see app.py)
+    unpacked_bytes: int = 32 * 2**20        # EPUB: bytes inflated from the zip, all entries read together
+    zip_entries: int = 10_000               # EPUB: files in the zip (a real book has tens to hundreds)
+    text_chars: int = 8_000_000             # extracted text (~11 novels; on a CPU that is days of reading)
+    pdf_pages: int = 3_000
+
+
+LIMITS = Limits()
+# Tolerant decoding: a text file with at most this share of bytes that are not valid in its encoding is
+# read with them replaced (and a notice); more than that, and it is not text.
+BAD_BYTES_TOLERATED = 0.01
 
 
 class IngestError(ValueError):
@@ -44,6 +60,7 @@ class Document:
     text: str = field(repr=False)
     page_starts: list[int] | None = field(repr=False)  # PDFs: offset in `text` where page i+1 begins
     sha256: str
+    notices: tuple[str, ...] = ()  # what the reader should know about how the file was read (bytes replaced, ...)
 
     def page_of(self, char_offset: int) -> int | None:
         """1-based page holding `char_offset`; None for non-PDFs or offsets outside the text."""
@@ -52,38 +69,45 @@ class Document:
         return bisect.bisect_right(self.page_starts, char_offset)
 
 
-def load_document(path: str | os.PathLike, name: str | None = None, max_bytes: int = MAX_FILE_BYTES) -> Document:
+def load_document(path: str | os.PathLike, name: str | None = None, limits: Limits = LIMITS) -> Document:
     """Read a file from disk; `name` is what the user called it (upload temp files have other names)."""
     name = os.path.basename(name or os.fspath(path))
     _kind_of(name)  # refuse an unsupported type before reading anything
     try:
-        _check_size(os.path.getsize(path), name, max_bytes)  # before reading: don't load a 2 GB file into memory
+        _check_size(os.path.getsize(path), name, limits.file_bytes)  # before reading: not 2 GB into memory
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(limits.file_bytes + 1)  # the file may grow between the check and the read
     except OSError as e:
         log.warning("reading %s failed: %s", path, e)
         raise IngestError(f"“{name}” couldn't be opened. Please upload it again.") from e
-    return load_bytes(data, name, max_bytes)
+    return load_bytes(data, name, limits)
 
 
-def load_bytes(data: bytes, name: str, max_bytes: int = MAX_FILE_BYTES) -> Document:
+def load_bytes(data: bytes, name: str, limits: Limits = LIMITS) -> Document:
     name = os.path.basename(name)
     kind = _kind_of(name)
-    _check_size(len(data), name, max_bytes)
+    _check_size(len(data), name, limits.file_bytes)
     if not data.strip():
         raise IngestError(f"“{name}” is empty. Please choose a file that contains text.")
     stem = os.path.splitext(name)[0]
     loader = {"txt": _load_txt, "md": _load_md, "pdf": _load_pdf, "epub": _load_epub}[kind]
+    if kind in ("txt", "md"):  # a character is at most 4 bytes: refuse a sure excess before decoding it
+        _check_text(len(data) // 4, name, limits.text_chars)
+    notices: list[str] = []
     try:
-        title, text, page_starts = loader(data, name, max_bytes)
+        title, text, page_starts = loader(data, name, limits, notices)
     except IngestError:
         raise
+    except MemoryError as e:  # past every budget, still too big for this machine: refuse, keep serving
+        log.warning("out of memory reading %s", name)
+        raise IngestError(f"“{name}” is too large to read here. Please upload a smaller file.") from e
     except Exception as e:  # a parser tripped over something we didn't foresee: still the file's fault
         log.exception("unexpected error reading %s", name)
         raise IngestError(f"Sorry, “{name}” couldn't be read: it may be damaged or in an unusual format. "
                           "Please try saving or exporting it again, or convert it to PDF or plain text.") from e
+    _check_text(len(text), name, limits.text_chars)
     return Document(title=title or stem, kind=kind, text=text, page_starts=page_starts,
-                    sha256=hashlib.sha256(data).hexdigest())
+                    sha256=hashlib.sha256(data).hexdigest(), notices=tuple(notices))
 
 
 def _kind_of(name: str) -> str:
@@ -100,28 +124,83 @@ def _check_size(size: int, name: str, max_bytes: int) -> None:
                           "Please upload a smaller file, for example one part of the book.")
 
 
+def _check_text(chars: int, name: str, max_chars: int) -> None:
+    if chars > max_chars:
+        raise IngestError(f"“{name}” holds more than {max_chars:,} characters of text, the limit for one "
+                          "document (reading that much would take days). Please upload one part of it.")
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:.1f}".removesuffix(".0")
 
 
 # ---------------------------------------------------------------- plain text and Markdown
 
-def _decode(data: bytes, name: str) -> str:
-    """Bytes of a text file -> str with \\n newlines."""
+def _decode(data: bytes, name: str, notices: list[str]) -> str:
+    """Bytes of a text file -> str with \\n newlines. A few bad bytes are replaced (with a notice); binary
+    data is refused."""
     not_text = IngestError(f"“{name}” doesn't look like a text file. If it's a Word document or another "
                            "format, please save it as plain text (.txt) or PDF and upload that.")
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Windows Notepad's "Unicode"
-        text = data.decode("utf-16", errors="replace")
+    encoding = _utf16_encoding(data)
+    if encoding:
+        text, bad = _decode_counting(data, encoding)
+        if bad > BAD_BYTES_TOLERATED * len(data):
+            raise not_text
     elif data.count(b"\x00") > len(data) // 1000:  # real text has (almost) no NUL bytes; binary files have many
         raise not_text
     else:
         try:
-            text = data.decode("utf-8-sig")
+            text, bad = data.decode("utf-8-sig"), 0
         except UnicodeDecodeError:
-            text = _decode_legacy(data)
-            if text is None:
-                raise not_text from None
+            text, bad = _decode_counting(data, "utf-8-sig")
+            # Mostly UTF-8 with a few bad bytes (a file cut mid-character, one stray byte): keep the UTF-8.
+            # No valid multi-byte character at all: more likely a legacy code page (cp1252 "naïve").
+            if not (bad <= BAD_BYTES_TOLERATED * len(data) and _has_multibyte_utf8(text)):
+                legacy = _decode_legacy(data)
+                if legacy is not None:
+                    text, bad = legacy, 0
+                elif bad > BAD_BYTES_TOLERATED * len(data):
+                    raise not_text from None
+    if bad:
+        notices.append(f"{bad:,} byte{'s' if bad != 1 else ''} of “{name}” {'were' if bad != 1 else 'was'} "
+                       "not valid text and replaced with “\ufffd”; the rest was read as it is.")
     return text.replace("\x00", "").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _utf16_encoding(data: bytes) -> str | None:
+    """"utf-16" for a file with a UTF-16 byte order mark (Windows Notepad's "Unicode"); "utf-16-le"/"-be" for
+    one without, recognised by its zero high bytes (Latin text: every other byte is NUL, on one side)."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    sample = data[:4096]
+    half = len(sample) // 2
+    if half >= 8:
+        for encoding, zeros in (("utf-16-le", sample[1::2]), ("utf-16-be", sample[0::2])):
+            if zeros.count(0) >= 0.9 * half and sample[(encoding == "utf-16-be")::2].count(0) == 0:
+                return encoding
+    return None
+
+
+def _decode_counting(data: bytes, encoding: str) -> tuple[str, int]:
+    """Decode with bad bytes replaced by U+FFFD; also return how many bytes were bad."""
+    _bad_bytes.n = 0
+    text = data.decode(encoding, errors="marginalia-count")
+    return text, _bad_bytes.n
+
+
+_bad_bytes = threading.local()  # each thread counts its own decode
+
+
+def _count_and_replace(error: UnicodeDecodeError) -> tuple[str, int]:
+    _bad_bytes.n += error.end - error.start
+    return "\ufffd", error.end
+
+
+codecs.register_error("marginalia-count", _count_and_replace)
+
+
+def _has_multibyte_utf8(text: str) -> bool:
+    return re.search("[^\x00-\x7f\ufffd]", text) is not None
 
 
 def _decode_legacy(data: bytes) -> str | None:
@@ -151,8 +230,8 @@ def _strip_gutenberg(text: str) -> str:
     return body if body.strip() else text  # markers in odd places: better all the text than none
 
 
-def _load_txt(data: bytes, name: str, max_bytes: int):
-    text = _decode(data, name)
+def _load_txt(data: bytes, name: str, limits: Limits, notices: list[str]):
+    text = _decode(data, name, notices)
     title = _PG_TITLE.search(text[:5000])  # the PG header is short; later "Title:" lines are story text
     body = _strip_gutenberg(text).strip()
     if not body:
@@ -160,8 +239,8 @@ def _load_txt(data: bytes, name: str, max_bytes: int):
     return (" ".join(title[1].split()) if title else None), body, None
 
 
-def _load_md(data: bytes, name: str, max_bytes: int):
-    text = _decode(data, name).strip()
+def _load_md(data: bytes, name: str, limits: Limits, notices: list[str]):
+    text = _decode(data, name, notices).strip()
     if not text:
         raise IngestError(f"“{name}” is empty. Please choose a file that contains text.")
     heading = re.search(r"^#[ \t]+(.+?)[ \t#]*$", text, re.MULTILINE)
@@ -170,7 +249,7 @@ def _load_md(data: bytes, name: str, max_bytes: int):
 
 # ---------------------------------------------------------------- PDF
 
-def _load_pdf(data: bytes, name: str, max_bytes: int):
+def _load_pdf(data: bytes, name: str, limits: Limits, notices: list[str]):
     with _PDFIUM_LOCK:
         try:
             pdf = pdfium.PdfDocument(data)
@@ -181,14 +260,19 @@ def _load_pdf(data: bytes, name: str, max_bytes: int):
             raise IngestError(f"“{name}” couldn't be opened as a PDF: it may be damaged or incomplete. "
                               "Please download or export it again and retry.") from e
         try:
+            if len(pdf) > limits.pdf_pages:  # the page count is in the header: no page is parsed yet
+                raise IngestError(f"“{name}” has {len(pdf):,} pages, over the limit of {limits.pdf_pages:,} "
+                                  "pages for one document. Please upload a part of it.")
             title = pdf.get_metadata_dict().get("Title", "").strip()
-            pages = []
+            pages, chars = [], 0
             for i in range(len(pdf)):
                 page = pdf[i]
                 textpage = page.get_textpage()
                 pages.append(textpage.get_text_range())
                 textpage.close()  # close explicitly: finalizers could run later, on another thread, unlocked
                 page.close()
+                chars += len(pages[-1])
+                _check_text(chars, name, limits.text_chars)  # stop at the page that passes the budget
         finally:
             pdf.close()
     pages = [_clean_pdf_text(p) for p in pages]
@@ -212,20 +296,25 @@ def _clean_pdf_text(text: str) -> str:
 
 # ---------------------------------------------------------------- EPUB (standard library only)
 
-def _load_epub(data: bytes, name: str, max_bytes: int):
+def _load_epub(data: bytes, name: str, limits: Limits, notices: list[str]):
     broken = IngestError(f"“{name}” isn't a valid EPUB: it may be damaged or incomplete. "
                          "Please download or export it again and retry.")
+    entries = _zip_entry_count(data)
+    if entries is not None and entries > limits.zip_entries:  # before zipfile builds an object per entry
+        raise IngestError(f"“{name}” holds {entries:,} files, over the limit of {limits.zip_entries:,} for an "
+                          "EPUB. Please upload a smaller book.")
     try:
         zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
         raise broken from e
     with zf:
+        budget = _Unpacked(name, limits.unpacked_bytes)
         try:
-            container = ET.fromstring(zf.read("META-INF/container.xml"))
+            container = _parse_xml(budget.read(zf, "META-INF/container.xml"), name)
             opf_path = container.find(".//{*}rootfile").get("full-path")
-            opf = ET.fromstring(zf.read(opf_path))
-        except (KeyError, AttributeError, TypeError, ET.ParseError) as e:  # missing file/element, bad XML
-            raise broken from e
+            opf = _parse_xml(budget.read(zf, opf_path), name)
+        except (KeyError, AttributeError, TypeError, ET.ParseError, zipfile.BadZipFile) as e:
+            raise broken from e  # a missing file or element, bad XML, a damaged entry
         title = (opf.findtext(".//{http://purl.org/dc/elements/1.1/}title") or "").strip()
         manifest = {item.get("id"): item for item in opf.iterfind(".//{*}manifest/{*}item")}
         names = set(zf.namelist())
@@ -234,29 +323,88 @@ def _load_epub(data: bytes, name: str, max_bytes: int):
             item = manifest.get(ref.get("idref"))
             if item is None or "html" not in (item.get("media-type") or ""):
                 continue
+            # Only ever a name inside the zip: an href like "../../etc/passwd" names nothing there. Nothing
+            # is extracted to disk, so no path can escape.
             path = posixpath.normpath(posixpath.join(posixpath.dirname(opf_path), unquote(item.get("href") or "")))
             if path in names:
                 paths.append(path)
             else:
                 log.warning("%s: spine item %s is missing", name, path)
-        if paths and set(paths) & _encrypted_paths(zf, names):
+        if paths and set(paths) & _encrypted_paths(zf, names, budget):
             raise IngestError(f"“{name}” is DRM-protected, so its text can't be read. "
                               "Please upload a DRM-free copy of the book.")
-        # A small zip can unpack to gigabytes ("zip bomb"); text compresses ~4x, so allow 10x the upload limit.
-        if sum(zf.getinfo(p).file_size for p in paths) > 10 * max_bytes:
-            raise IngestError(f"“{name}” is too large once unpacked. Please upload a smaller book.")
-        chapters = [t for t in (_html_to_text(zf.read(p)) for p in paths) if t]
+        chapters, chars, not_text = [], 0, 0
+        for path in paths:
+            try:
+                text = _html_to_text(budget.read(zf, path))
+            except zipfile.BadZipFile as e:  # CRC mismatch, bad compressed data, a size that lies
+                raise broken from e
+            not_text += text is None
+            if text:
+                chapters.append(text)
+                chars += len(text)
+                _check_text(chars, name, limits.text_chars)
     if not chapters:
         raise IngestError(f"“{name}” contains no readable chapters. "
                           "Please check that the book opens in an e-book reader, or try a PDF or .txt version.")
+    if not_text:
+        notices.append(f"{not_text} chapter{'s' if not_text != 1 else ''} of “{name}” {'were' if not_text != 1 else 'was'}"
+                       " not text and skipped.")
     return title, "\n\n".join(chapters), None
 
 
-def _encrypted_paths(zf: zipfile.ZipFile, names: set[str]) -> set[str]:
+class _Unpacked:
+    """The EPUB's budget of inflated bytes, shared by every entry read. A small zip can inflate to gigabytes
+    (a "zip bomb"), and its headers may lie about sizes: the declared size is checked before an entry is
+    opened, and the bytes actually inflated are counted as they stream, so no more than the budget (plus one
+    chunk) is ever held."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, name: str, limit: int):
+        self.name, self.limit, self.used = name, limit, 0
+
+    def read(self, zf: zipfile.ZipFile, path: str) -> bytes:
+        info = zf.getinfo(path)  # KeyError when missing
+        if self.used + info.file_size > self.limit:
+            self._refuse()
+        out = bytearray()
+        with zf.open(info) as f:
+            while chunk := f.read(self.CHUNK):
+                self.used += len(chunk)
+                if self.used > self.limit:
+                    self._refuse()
+                out += chunk
+        return bytes(out)
+
+    def _refuse(self):
+        raise IngestError(f"“{self.name}” unpacks to more than {_mb(self.limit)} MB of text and markup, the "
+                          "limit for one EPUB. Please upload a smaller book, or one part of it.")
+
+
+def _zip_entry_count(data: bytes) -> int | None:
+    """Entries named by the zip's end-of-central-directory record (None if there is none: zipfile will say).
+    0xFFFF means a Zip64 archive, with 65,535 entries or more: no book has that many."""
+    eocd = data.rfind(b"PK\x05\x06", max(0, len(data) - 65_557))  # 22-byte record + up to 64 KiB of comment
+    if eocd < 0 or eocd + 12 > len(data):
+        return None
+    return int.from_bytes(data[eocd + 10:eocd + 12], "little")
+
+
+def _parse_xml(raw: bytes, name: str) -> ET.Element:
+    """Parse an EPUB's XML (container, package, encryption), refusing entity declarations: they are how
+    "billion laughs" expansion and external entities (files, URLs) get in, and no EPUB needs them."""
+    if b"<!ENTITY" in raw or b"<\x00!\x00E\x00N\x00T\x00I\x00T\x00Y" in raw:
+        raise IngestError(f"“{name}” contains XML entity declarations, which e-books don't use and which can be "
+                          "used to attack the reader. Please upload a clean copy of the book.")
+    return ET.fromstring(raw)
+
+
+def _encrypted_paths(zf: zipfile.ZipFile, names: set[str], budget: _Unpacked) -> set[str]:
     """Files listed in META-INF/encryption.xml (DRM; font obfuscation lists only fonts)."""
     if "META-INF/encryption.xml" not in names:
         return set()
-    root = ET.fromstring(zf.read("META-INF/encryption.xml"))
+    root = _parse_xml(budget.read(zf, "META-INF/encryption.xml"), budget.name)
     return {unquote(ref.get("URI", "")) for ref in root.iterfind(".//{*}CipherReference")}
 
 
@@ -291,11 +439,20 @@ class _TextExtractor(HTMLParser):
             self.parts.append(re.sub(r"\s+", " ", data))  # source line breaks are not paragraph breaks
 
 
-def _html_to_text(raw: bytes) -> str:
-    """XHTML chapter -> paragraphs separated by blank lines (EPUB requires UTF-8 or UTF-16)."""
+# A document type declaration, internal subset included: HTMLParser would leak the subset's end as text.
+# Entities declared there are never expanded (HTMLParser knows only HTML's own), so no "billion laughs".
+_DOCTYPE = re.compile(r"<!DOCTYPE[^\[>]*(?:\[.*?\][ \t\r\n]*)?>", re.IGNORECASE | re.DOTALL)
+
+
+def _html_to_text(raw: bytes) -> str | None:
+    """XHTML chapter -> paragraphs separated by blank lines (EPUB requires UTF-8 or UTF-16); None when the
+    chapter is not text at all (an image or a binary blob listed as XHTML)."""
     is_utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    markup, bad = _decode_counting(raw, "utf-16" if is_utf16 else "utf-8-sig")
+    if bad > BAD_BYTES_TOLERATED * len(raw) or markup.count("\x00") > len(markup) // 1000:
+        return None
     parser = _TextExtractor()
-    parser.feed(raw.decode("utf-16" if is_utf16 else "utf-8-sig", errors="replace"))
+    parser.feed(_DOCTYPE.sub("", markup, count=1))
     parser.close()
     paragraphs = ("\n".join(line.strip() for line in p.split("\n") if line.strip())
                   for p in re.split(r"\n[ ]*\n", "".join(parser.parts)))

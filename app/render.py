@@ -295,7 +295,7 @@ def answers_html(answers: list[AnswerView]) -> str:
 
 def document_html(title: str, kind: str, name: str, pages: int | None, chars: int, tokens: int | None,
                   segments: int | None, segment_tokens: int | None, estimate_s: float | None,
-                  problem: str = "", note: str = "") -> str:
+                  problem: str = "", note: str = "", warning: str = "") -> str:
     facts = [kind.upper()]
     if pages:
         facts.append(f"{pages:,} page{'s' if pages != 1 else ''}")
@@ -307,6 +307,8 @@ def document_html(title: str, kind: str, name: str, pages: int | None, chars: in
     if estimate_s is not None:
         facts.append(f"about {duration(estimate_s)} to read here")
     warn = f'<div class="mg-doc-problem" role="alert">{esc(problem)}</div>' if problem else ""
+    if warning:  # readable, but the reader should know before pressing Read
+        warn += f'<div class="mg-doc-warning" role="alert">{esc(warning)}</div>'
     if note:
         warn += f'<div class="mg-doc-note">{esc(note)}</div>'
     return (f'<div class="mg-doc"><div class="mg-doc-title">{esc(title)}</div>'

@@ -198,8 +198,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         def on_upload(owner, path, *settings):
             try:
-                doc_id = service.add_upload(path)
-                return doc_id, service.document_html(doc_id, service.settings(*settings)), ""
+                doc_id, notices = service.add_upload(path)
+                return (doc_id, service.document_html(doc_id, service.settings(*settings)),
+                        render.notice_html(" ".join(notices), "info"))
             except UserError as e:
                 return None, render.no_document(), render.notice_html(str(e))
 
@@ -372,7 +373,7 @@ def add_api(service: Service) -> None:
         result has every margin. Returns {session_id, owner, status, margins: [...]}."""
         owner = (owner or "").strip() or f"api-{uuid.uuid4().hex}"
         try:
-            doc_id = service.add_upload(path)
+            doc_id, _ = service.add_upload(path)
             settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier)
             session_id = service.start_read(owner, doc_id, question, settings)
             seen = 0

@@ -215,3 +215,21 @@ def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path):
     assert reading.read_segments == list(range(len(reading.segments)))
     assert second.store.answers(sid)[-1]["text"] == before    # the same cache, bit for bit: the same answer
     assert second.delete("alice", sid) and not folder.exists()
+
+
+def test_upload_notices_and_long_read_warning(service, tmp_path):
+    """A few bad bytes: read, with a notice; a document estimated past LONG_READ_SECONDS: a warning with the
+    estimate before Read (here the measured speed is set low, as on a slow machine)."""
+    from app.service import LONG_READ_SECONDS
+
+    path = tmp_path / "novel.txt"
+    path.write_bytes(TEXT.replace("wife", "wife’").encode() + b"\xff")  # UTF-8, cut short by a stray byte
+    doc_id, notices = service.add_upload(str(path))
+    assert notices and "1 byte" in notices[0]
+    settings = service.settings()
+    assert "mg-doc-warning" not in service.document_html(doc_id, settings)
+    service.rates = {"prefill": 0.1, "decode": 0.01}  # ~250 tokens now take hours
+    html = service.document_html(doc_id, settings)
+    assert "mg-doc-warning" in html and "will take about" in html
+    tokens_estimate = service.estimate_seconds(250, 4, settings)
+    assert tokens_estimate > LONG_READ_SECONDS

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ingest import Document, IngestError, load_bytes, load_document
+from app.ingest import Document, IngestError, Limits, load_bytes, load_document
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 BOOKS = SHARED / "books"
@@ -317,10 +317,10 @@ def test_bad_files_raise_clear_errors(tmp_path, build, words):
 def test_file_over_size_limit(tmp_path):
     path = _write(tmp_path / "big.txt", b"word " * 300_000)  # 1.4 MB
     with pytest.raises(IngestError, match=r"is 1\.4 MB, which is over the 1 MB limit"):
-        load_document(path, max_bytes=2**20)
+        load_document(path, limits=Limits(file_bytes=2**20))
     with pytest.raises(IngestError, match="over the 50 MB limit"):
         load_bytes(b"x" * (50 * 2**20 + 1), "huge.pdf")
-    assert load_document(path, max_bytes=2 * 2**20).kind == "txt"
+    assert load_document(path, limits=Limits(file_bytes=2 * 2**20)).kind == "txt"
 
 
 def test_missing_file(tmp_path):
