@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from .cache import make_cache
 
 class Stopped(Exception):
     """The caller's stop flag was set; the cache is left at a consistent length."""
@@ -27,10 +28,21 @@ class Meter:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    # A server backend (engine/remote.py): requests sent, prompt tokens sent, and how many of those the server
+    # reported as already in its prefix cache. Zero on the local engine, which sends nothing.
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+    def server_fields(self) -> dict:
+        """The Stats fields about server requests (reuse: cached / prompt tokens, None without requests)."""
+        reuse = round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "reuse": reuse}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -40,7 +52,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Runner:
-    """Drives one model over caches. Holds no document state."""
+    """Drives one model over caches. Holds no document state.
+
+    The backend seam: engine/remote.py has a RemoteRunner with the same methods (new_cache, prefill, decode,
+    token_probabilities, drain) over a server's completions API; the WiM loop uses only these."""
 
     def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None):
         self.model = model
@@ -48,6 +63,19 @@ class Runner:
         self.device = device
         self.meter = meter or Meter()
         self.stop_ids = self._stop_ids()
+
+    def new_cache(self, capacity: int):
+        return make_cache(self.model, capacity)
+
+    def drain(self) -> list:
+        """Events about work done since the last call (the server backend reports its requests); none here."""
+        return []
+
+    def token_probabilities(self, ids: list[int], cache, candidates: set[int],
+                            stop: threading.Event | None = None) -> dict[int, float]:
+        """Prefill `ids` into `cache`; the probability of each candidate as the next token."""
+        probs = torch.softmax(self.prefill(ids, cache, stop), dim=-1)
+        return {token: float(probs[token]) for token in candidates}
 
     def _stop_ids(self) -> set[int]:
         ids = set()
