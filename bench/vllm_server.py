@@ -35,11 +35,12 @@ class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` with prefix caching and cached-token reporting on."""
 
     def __init__(self, model: str | os.PathLike, log_path: str | os.PathLike, kv_cache_gib: int = 1,
-                 threads: int | None = None, extra: list[str] | None = None):
+                 threads: int | None = None, extra: list[str] | None = None, dev_mode: bool = False):
         self.model, self.log_path = str(model), Path(log_path)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.kv_cache_gib, self.threads, self.extra = kv_cache_gib, threads, extra or []
+        self.dev_mode = dev_mode  # vLLM's dev endpoints: /reset_prefix_cache (the benchmark starts each row cold)
         self.proc: subprocess.Popen | None = None
         self.start_seconds = 0.0
 
@@ -55,7 +56,7 @@ class VLLMServer:
     def start(self, timeout: float = 900) -> "VLLMServer":
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
-               "VLLM_LOGGING_LEVEL": "INFO"}
+               "VLLM_LOGGING_LEVEL": "INFO", **({"VLLM_SERVER_DEV_MODE": "1"} if self.dev_mode else {})}
         if self.threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -79,6 +80,11 @@ class VLLMServer:
             time.sleep(1.0)
         self.stop()
         raise RuntimeError(f"vLLM did not answer within {timeout:.0f} s; its log ends:\n{self.log_tail()}")
+
+    def reset_prefix_cache(self) -> None:
+        request = urllib.request.Request(self.url.removesuffix("/v1") + "/reset_prefix_cache", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as r:
+            r.read()
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -252,7 +252,9 @@ class RemoteRunner:
         prompt = cache.prompt()
         body = {"model": self.server.served_name, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": max(temperature, 0.0), "stream": True, "stream_options": {"include_usage": True},
-                "return_token_ids": True, "skip_special_tokens": True, "stop_token_ids": sorted(self.stop_ids)}
+                "return_token_ids": True, "skip_special_tokens": True, "stop_token_ids": sorted(self.stop_ids),
+                # No stop ids (bench.common.fixed_length): decode to full length, as the local runner does.
+                "ignore_eos": not self.stop_ids}
         if temperature > 0:
             body["seed"] = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         ids: list[int] = []

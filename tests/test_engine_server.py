@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="no .venv-vllm: run
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from engine.model import convert_embedded
-    with VLLMServer(convert_embedded(), tmp_path_factory.mktemp("vllm") / "vllm.log") as running:
+    with VLLMServer(convert_embedded(), tmp_path_factory.mktemp("vllm") / "vllm.log", dev_mode=True) as running:
         yield running
 
 
@@ -64,9 +64,11 @@ def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
           f"prompt tokens; read reuse {read_stats.reuse:.1%}")
 
 
-def test_two_readings_at_once_both_complete(remote):
+def test_two_readings_at_once_both_complete(server, remote):
     """Two readings through the same server at the same time (as two app sessions would): the server batches
-    them, both finish, and each reports its own reuse."""
+    them, both finish, and each reports its own reuse. The prefix cache starts empty (the first test read the
+    same text: its blocks would count as this reading's reuse)."""
+    server.reset_prefix_cache()
     data = json.loads(shared("babilong", "babilong_8k.json").read_text())
     text = data["context"]
     jobs = {"first half": text[:len(text) // 2], "second half": text[len(text) // 2:]}
