@@ -110,29 +110,22 @@ def test_follow_up_margins_through_vllm_leave_out_the_later_text(remote):
     assert [m.text for m in again] == [m.text for m in direct]
 
 
-def test_cli_reads_through_the_server(server, tmp_path):
-    """`python -m engine read ... --backend openai --base-url URL`: the reuse figures reach the JSON events."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
+def test_cli_reads_through_the_server(server, tmp_path, capsys):
+    """`python -m engine read ... --backend openai --base-url URL`: the reuse figures reach the JSON events; a
+    missing URL or an unreachable server is a clear error (exit 2), not a traceback."""
+    from engine.cli import main
+    from tests.conftest import free_port
     data = json.loads(shared("babilong", "babilong_8k.json").read_text())
     doc = tmp_path / "short.json"
     doc.write_text(json.dumps({"context": data["context"][:3000], "query": data["query"]}))
-    out = subprocess.run([sys.executable, "-m", "engine", "read", str(doc), "--backend", "openai", "--base-url",
-                          server.url, "--segment-tokens", "300", "--margin-tokens", "8", "--answer-tokens", "8",
-                          "--jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert main(["read", str(doc), "--backend", "openai", "--base-url", server.url, "--segment-tokens", "300",
+                 "--margin-tokens", "8", "--answer-tokens", "8", "--jsonl"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     stats = [e for e in events if e["event"] == "stats"]
     assert [s["phase"] for s in stats] == ["read", "answer"]
     assert stats[0]["requests"] == 2 * sum(e["event"] == "margin" for e in events) > 0
     assert stats[0]["cached_tokens"] > 0 and 0 < stats[0]["reuse"] < 1
-    bad = subprocess.run([sys.executable, "-m", "engine", "read", str(doc), "--backend", "openai"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--base-url" in bad.stderr
-    from tests.conftest import free_port
-    gone = subprocess.run([sys.executable, "-m", "engine", "read", str(doc), "--backend", "openai", "--base-url",
-                           f"http://127.0.0.1:{free_port()}/v1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert gone.returncode == 2 and "cannot reach the server" in gone.stderr, gone.stderr[-1000:]
+    assert main(["read", str(doc), "--backend", "openai"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+    assert main(["read", str(doc), "--backend", "openai", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
