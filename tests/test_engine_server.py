@@ -129,3 +129,20 @@ def test_cli_reads_through_the_server(server, tmp_path, capsys):
     assert "--base-url" in capsys.readouterr().err
     assert main(["read", str(doc), "--backend", "openai", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_an_evicted_prefix_is_flagged(server, remote):
+    """The server's prefix cache emptied between two margins (as eviction under load would): the next margin
+    request recomputes the text before it, and the events say so."""
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    reading = remote.open(data["context"][:4000], Settings(segment_tokens=300, margin_tokens=8, classifier="none"))
+    events = []
+    for ev in reading.read(data["query"]):
+        events.append(ev)
+        if isinstance(ev, Margin) and ev.index == 0:
+            server.reset_prefix_cache()
+    generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
+    assert len(generate) >= 3
+    assert [r.evicted for r in generate] == [False, True] + [False] * (len(generate) - 2)
+    assert generate[1].computed == generate[1].prompt_tokens  # nothing was left to reuse
+    assert [e for e in events if isinstance(e, Notice) and "evicted" in e.text]
