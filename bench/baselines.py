@@ -45,12 +45,19 @@ class Run:
     followup_seconds: float | None = None
     followup_prefill_tokens: int | None = None
     followup_decode_tokens: int | None = None
+    # A server backend: requests sent, prompt tokens sent, of which the server found cached.
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def add(self, stats: "Stats | Meter | Run") -> None:
         self.prefill_tokens += stats.prefill_tokens
         self.decode_tokens += stats.decode_tokens
         self.prefill_seconds += stats.prefill_seconds
         self.decode_seconds += stats.decode_seconds
+        self.requests += stats.requests
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,8 +84,8 @@ def kv_bytes_per_token(model) -> int:
 
 def _classifier_scratch_bytes(engine, reading) -> int:
     """The LLM classifier's own cache (allocated by the engine inside read(), so not reachable afterwards)."""
-    if reading.settings.mode != "wim" or reading.settings.classifier != "llm":
-        return 0
+    if reading.settings.mode != "wim" or reading.settings.classifier != "llm" or engine.lm.model is None:
+        return 0  # (no model here: a server backend holds its KV cache itself)
     return LLMClassifier(reading.runner, engine.layout).scratch.capacity * kv_bytes_per_token(engine.lm.model)
 
 
@@ -115,7 +122,7 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
     given the pass-1 notes (a resumed reading writes none), then answers with the notes the classifier kept."""
     lm, layout = engine.lm, engine.layout
     whole = engine.open(text, replace(settings, mode="wim"))
-    runner = Runner(lm.model, lm.tokenizer, lm.device)
+    runner = lm.runner(Meter())
     classifier = Classifier(settings.classifier, runner, layout, settings.embedding_threshold)
     margin_suffix = layout.suffix("margin", query=query)
     run = Run("naive")
@@ -125,7 +132,7 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
         t = time.perf_counter()
         for seg in whole.segments:
             # Just big enough for this segment and its note: fresh, and not 8k tokens of zeros each time.
-            cache = make_cache(lm.model, len(layout.prefix) + seg.tokens + len(margin_suffix) + settings.margin_tokens)
+            cache = runner.new_cache(len(layout.prefix) + seg.tokens + len(margin_suffix) + settings.margin_tokens)
             runner.prefill(layout.prefix, cache)
             runner.prefill(whole.doc.segment_ids(seg), cache)
             logits = runner.prefill(margin_suffix, cache)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from .cache import make_cache
 from .prompts import PromptLayout
 
 CLASSIFIERS = ("margin", "llm", "embedding", "none")
@@ -55,7 +54,7 @@ class LLMClassifier:
 
     def __init__(self, runner, layout: PromptLayout, capacity: int = 1024):
         self.runner, self.layout = runner, layout
-        self.scratch = make_cache(runner.model, capacity)
+        self.scratch = runner.new_cache(capacity)
         tok = runner.tokenizer
         self.yes = {tok.encode(w, add_special_tokens=False)[0] for w in ("YES", "Yes", " YES", " Yes")}
         self.no = {tok.encode(w, add_special_tokens=False)[0] for w in ("NO", "No", " NO", " No")}
@@ -64,9 +63,8 @@ class LLMClassifier:
         ids = self.layout.standalone("classify", query=query, margin=margin)
         ids = ids[-self.scratch.capacity:]
         self.scratch.truncate(0)
-        logits = self.runner.prefill(ids, self.scratch, stop)
-        probs = torch.softmax(logits, dim=-1)
-        yes, no = float(probs[list(self.yes)].sum()), float(probs[list(self.no)].sum())
+        probs = self.runner.token_probabilities(ids, self.scratch, self.yes | self.no, stop)
+        yes, no = sum(probs[t] for t in self.yes), sum(probs[t] for t in self.no)
         return yes / (yes + no) if yes + no > 0 else 0.0
 
 

@@ -42,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
     read.add_argument("--mode", choices=MODES, default="wim")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
-                      help="`embedded`, a local directory or a Hugging Face hub id")
+                      help="`embedded`, a local directory or a Hugging Face hub id (with --backend openai: the "
+                           "served model, whose tokenizer is loaded here)")
+    read.add_argument("--backend", choices=["local", "openai"],
+                      default=os.environ.get("MARGINALIA_BACKEND", "local"),
+                      help="local: the model in this process; openai: an OpenAI-compatible completions server "
+                           "(vLLM, SGLang) with prefix caching, at --base-url")
+    read.add_argument("--base-url", default=os.environ.get("MARGINALIA_BASE_URL"),
+                      help="the server's URL, e.g. http://127.0.0.1:8000/v1 (--backend openai)")
     read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
     read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
     read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
@@ -118,6 +125,10 @@ class HumanOutput:
                 f"[dim]{ev.phase}: {ev.prefill_tokens:,} prefill + {ev.decode_tokens:,} decode tokens in "
                 f"{ev.seconds:.1f} s ({ev.tokens_per_s:,.1f} tok/s), peak memory {ev.peak_memory / 2**20:,.0f} MiB"
                 f"{', stopped' if ev.stopped else ''}")
+            if ev.requests:
+                self.console.print(f"[dim]{ev.phase}: {ev.requests} server request(s), {ev.prompt_tokens:,} prompt "
+                                   f"tokens sent, {ev.cached_tokens:,} found in the server's prefix cache "
+                                   f"(reuse {ev.reuse:.1%})")
 
 
 def cmd_read(args) -> int:
@@ -129,7 +140,7 @@ def cmd_read(args) -> int:
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()
-    engine = Engine.load(args.model, args.device, args.dtype)
+    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings)
     show = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \

@@ -96,6 +96,31 @@ class Stats(Event):
     phase: str = "read"
     cache: str = ""
     stopped: bool = False
+    # Server backend only (engine/remote.py): requests sent, their prompt tokens, the tokens the server found
+    # in its prefix cache, and reuse = cached / prompt (None when nothing was sent: the local engine).
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reuse: float | None = None
+
+
+@dataclass(frozen=True)
+class ServerRequest(Event):
+    """One completions request to a server backend, and what the server said of its prefix cache.
+
+    `shared_prefix`: tokens this prompt shares with the previous request made from the same cache (what the
+    server should find cached); `computed` = prompt_tokens - cached_tokens. `evicted`: the server computed
+    more than the new tokens plus one KV block (`block_tokens`), i.e. the shared prefix had left its cache."""
+    kind: ClassVar[str] = "server_request"
+    purpose: str                 # generate | yes/no (the LLM classifier)
+    prompt_tokens: int
+    cached_tokens: int | None    # None: the server reported no cached tokens (vLLM: --enable-prompt-tokens-details)
+    shared_prefix: int
+    computed: int
+    completion_tokens: int
+    seconds: float
+    evicted: bool = False
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)

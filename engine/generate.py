@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from .cache import make_cache
 
 class Stopped(Exception):
     """The caller's stop flag was set; the cache is left at a consistent length."""
@@ -40,10 +41,21 @@ class Meter:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    # A server backend (engine/remote.py): requests sent, prompt tokens sent, and how many of those the server
+    # reported as already in its prefix cache. Zero on the local engine, which sends nothing.
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+    def server_fields(self) -> dict:
+        """The Stats fields about server requests (reuse: cached / prompt tokens, None without requests)."""
+        reuse = round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "reuse": reuse}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -53,7 +65,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Runner:
-    """Drives one model over caches. Holds no document state."""
+    """Drives one model over caches. Holds no document state.
+
+    The backend seam: engine/remote.py has a RemoteRunner with the same methods (new_cache, prefill, decode,
+    token_probabilities, drain) over a server's completions API; the WiM loop uses only these."""
 
     def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None):
         self.model = model
@@ -61,6 +76,19 @@ class Runner:
         self.device = device
         self.meter = meter or Meter()
         self.stop_ids = self._stop_ids()
+
+    def new_cache(self, capacity: int):
+        return make_cache(self.model, capacity)
+
+    def drain(self) -> list:
+        """Events about work done since the last call (the server backend reports its requests); none here."""
+        return []
+
+    def token_probabilities(self, ids: list[int], cache, candidates: set[int],
+                            stop: threading.Event | None = None) -> dict[int, float]:
+        """Prefill `ids` into `cache`; the probability of each candidate as the next token."""
+        probs = torch.softmax(self.prefill(ids, cache, stop), dim=-1)
+        return {token: float(probs[token]) for token in candidates}
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -109,31 +137,16 @@ class Runner:
         loop: the repeated tail is left out of `result`) and, with `paragraph`, at the end of the first
         paragraph (a blank line: a short answer is over; a list, one item a line, is not). `result` receives the kept tokens, their text and the reason it ended."""
         result = result if result is not None else DecodeResult()
-        ids: list[int] = []
-        text = ""
-        seen: dict[tuple[int, ...], int] = {}
-        result.reason = "limit"
+        ending = Ending(self.tokenizer, result, paragraph)
         for i in range(max_tokens):
             token = pick_token(logits, temperature, generator)
             if token in self.stop_ids:
                 result.reason = "end"
                 break
-            ids.append(token)
-            gram = tuple(ids[-REPEAT_NGRAM:])
-            if len(gram) == REPEAT_NGRAM:
-                if gram in seen:
-                    ids = ids[:seen[gram] - REPEAT_NGRAM + 1]  # keep the text before the repetition began
-                    result.reason = "repeat"
-                    break
-                seen[gram] = len(ids)
-            full = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if paragraph and "\n\n" in full.strip():
-                ids = ids[:-1]
-                result.reason = "paragraph"
+            piece = ending.add(token)
+            if piece is None:
                 break
             self.meter.decode_tokens += 1
-            piece = "" if full.endswith("\ufffd") else full[len(text):]  # hold back a half-decoded character
-            text = text if full.endswith("\ufffd") else full
             yield token, piece
             if i + 1 == max_tokens:
                 break
@@ -143,8 +156,44 @@ class Runner:
             t = time.perf_counter()
             logits = self.forward([token], cache, stop)
             self.meter.decode_seconds += time.perf_counter() - t
-        result.ids = ids
-        result.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ending.close()
+
+
+class Ending:
+    """Where free-form text ends, token by token (both the local and the server runner decode through it):
+    a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped) or, with `paragraph`, a blank line after
+    some text. `add` returns the new text to show, or None once the text is over; `close` fills `result`."""
+
+    def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False):
+        self.tokenizer, self.result, self.paragraph = tokenizer, result, paragraph
+        self.ids: list[int] = []
+        self.text = ""
+        self.seen: dict[tuple[int, ...], int] = {}
+        result.reason = "limit"
+
+    def add(self, token: int) -> str | None:
+        ids = self.ids
+        ids.append(token)
+        gram = tuple(ids[-REPEAT_NGRAM:])
+        if len(gram) == REPEAT_NGRAM:
+            if gram in self.seen:
+                del ids[self.seen[gram] - REPEAT_NGRAM + 1:]  # keep the text before the repetition began
+                self.result.reason = "repeat"
+                return None
+            self.seen[gram] = len(ids)
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.paragraph and "\n\n" in full.strip():
+            ids.pop()
+            self.result.reason = "paragraph"
+            return None
+        if full.endswith("\ufffd"):  # hold back a half-decoded character
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+    def close(self) -> None:
+        self.result.ids = self.ids
+        self.result.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
 
 def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -47,9 +47,10 @@ class Scratch:
     margins (`visible` set) they sit in spare room after the document, positioned after boundary `visible`, with
     a mask that lets them see the cache up to there and the scratch tokens before them."""
 
-    def __init__(self, runner, cache, doc_end: int, visible: int | None, stop, dtype: torch.dtype):
-        self.runner, self.cache, self.doc_end, self.stop, self.dtype = runner, cache, doc_end, stop, dtype
+    def __init__(self, runner, cache, doc_end: int, visible: int | None, stop):
+        self.runner, self.cache, self.doc_end, self.stop = runner, cache, doc_end, stop
         self.visible = visible
+        self.dtype = runner.model.dtype
 
     @property
     def fed(self) -> int:
@@ -78,9 +79,11 @@ class Scratch:
             start += n
         return mask[None, None]
 
-    def feed(self, ids: list[int]) -> torch.Tensor:
-        """Append `ids` to the scratch; the logits after the last one. Several tokens are metered as prefill; the
-        time of one token goes to decoding (who chose it counts it: Runner.decode, or the extractive writer)."""
+    def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
+        """Append `ids` to the scratch; the log-probabilities of the next token (`candidates`: the tokens the
+        writer may choose; a server backend's scratch needs them, this one computes every token's). Several
+        tokens are metered as prefill; the time of one token goes to decoding (who chose it counts it:
+        Runner.decode, or the extractive writer)."""
         t = time.perf_counter()
         logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(ids)]),
                                      position_start=self.position)
@@ -90,7 +93,7 @@ class Scratch:
         else:
             meter.prefill_tokens += len(ids)
             meter.prefill_seconds += time.perf_counter() - t
-        return logits
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
         """Mean log-probability of each row of tokens as the continuation of the scratch so far (`first`: the
@@ -218,16 +221,15 @@ class Extractive:
         index = torch.tensor(sorted(allowed), device=logits.device)
         return int(index[pick_token(logits[index], self.temperature, self.generator)])
 
-    def relevance(self, logits: torch.Tensor, starts: set[int]) -> tuple[float, set[int]]:
-        markers = self.marker_ids - starts
-        probs = torch.softmax(logits.float(), dim=-1)
+    def relevance(self, logprobs: torch.Tensor, starts: set[int]) -> float:
+        """P(start a copy) / (P(copy) + P(say nothing)) from the first step's log-probabilities."""
+        probs = logprobs.exp()
         copy = float(probs[sorted(starts)].sum()) if starts else 0.0
-        nothing = float(probs[sorted(markers)].sum())
-        return (copy / (copy + nothing) if copy + nothing > 0 else 0.0), markers
+        nothing = float(probs[sorted(self.marker_ids - starts)].sum())
+        return copy / (copy + nothing) if copy + nothing > 0 else 0.0
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
         """Yield the note's text as each piece is chosen; return the Note."""
-        logits = scratch.feed(instruction)
         first, after = _trie(pieces, False), _trie(pieces, True)
         used: list[int] = []
         budget = self.max_tokens
@@ -237,7 +239,8 @@ class Extractive:
                     if any(i not in used and len(pieces[i].ids_after) <= budget for i in c.below)}
 
         starts = open_children(first)
-        relevance, _ = self.relevance(logits, set(starts))
+        logits = scratch.feed(instruction, set(starts) | self.marker_ids)
+        relevance = self.relevance(logits, set(starts))
         # Copy or say nothing: decided on the whole probability of starting a copy against that of the marker
         # (spread over many first tokens, a copy would lose a token-by-token argmax it should win).
         if not starts or relevance < self.threshold:
@@ -259,11 +262,6 @@ class Extractive:
                 used.append(done[0])  # nothing left to choose: the note ends without another pass
                 yield self._streamed(pieces, used)
                 return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
-            logits = scratch.feed(pending)
-            steps += 1
-            if len(pending) == 1:  # a choice the model made token by token: a decode step
-                scratch.runner.meter.decode_tokens += 1
-            pending = []
             options = set(kids)
             if done:
                 options |= self.end_ids
@@ -273,6 +271,11 @@ class Extractive:
                            if any(i not in used and i != done[0] and len(pieces[i].ids_after) <= budget_after
                                   for i in c.below)}
                     options |= nxt - set(kids)
+            logits = scratch.feed(pending, options)
+            steps += 1
+            if len(pending) == 1:  # a choice the model made token by token: a decode step
+                scratch.runner.meter.decode_tokens += 1
+            pending = []
             token = self._choose(logits, options)
             if token in kids:
                 continue
@@ -302,8 +305,9 @@ class Scored:
         self.extractive = Extractive(tokenizer, set(), max_tokens)  # for the first-step relevance
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
-        logits = scratch.feed(instruction)
-        relevance, _ = self.extractive.relevance(logits, {p.ids[0] for p in pieces})
+        starts = {p.ids[0] for p in pieces}
+        logits = scratch.feed(instruction, starts | self.extractive.marker_ids)
+        relevance = self.extractive.relevance(logits, starts)
         if not pieces or relevance < self.threshold:
             return Note("", (), relevance, 0, 0, "nothing")
         scores = scratch.score_rows([list(p.ids) for p in pieces] + [self.marker], logits)
@@ -331,12 +335,14 @@ class Abstractive:
         self.marker_ids = {runner.tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
-        logits = scratch.feed(instruction)
-        markers = sorted(self.marker_ids)
-        relevance = 1.0 - float(torch.softmax(logits.float(), dim=-1)[markers].sum())
+        logits = scratch.feed(instruction, self.marker_ids)
+        relevance = 1.0 - float(logits[sorted(self.marker_ids)].exp().sum())
+        # Reading: the note follows the cache's end, fed the plain way; a new question's margins (masked
+        # scratch) feed each token through the scratch.
+        step = None if scratch.visible is None else (lambda t: scratch.feed([t]))
         result, decoded = DecodeResult(), 0
         for _, piece in self.runner.decode(scratch.cache, logits, self.max_tokens, scratch.stop, self.temperature,
-                                           self.generator, step=lambda t: scratch.feed([t]), result=result):
+                                           self.generator, step=step, result=result):
             decoded += 1
             if piece:
                 yield piece

@@ -37,6 +37,11 @@ class LoadedModel:
     attention: str
     context_length: int
     load_seconds: float
+    serial = True  # one forward pass at a time on this model (engine/remote.py's server batches instead)
+
+    def runner(self, meter=None):
+        from .generate import Runner
+        return Runner(self.model, self.tokenizer, self.device, meter)
 
     @property
     def info(self) -> dict:

@@ -14,6 +14,7 @@ After an answer the cache is cut back to the end of the document, so follow-up q
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,10 +28,10 @@ from typing import Iterator
 
 import torch
 
-from .cache import key_rotation, make_cache
+from .cache import key_rotation
 from .classify import Classifier, embed
 from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
-from .generate import DecodeResult, Meter, Runner, Stopped, peak_memory_bytes
+from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
 from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .model import LoadedModel, load_model
 from .prompts import PromptLayout
@@ -124,10 +125,21 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.lm = loaded
         self.layout = PromptLayout(loaded.tokenizer)
-        self.lock = threading.Lock()  # one forward pass at a time per model
+        # One forward pass at a time per local model; a server backend batches concurrent readings itself.
+        self.lock = threading.Lock() if loaded.serial else contextlib.nullcontext()
 
     @classmethod
-    def load(cls, spec: str = "embedded", device: str | None = None, dtype: str | None = None) -> "Engine":
+    def load(cls, spec: str = "embedded", device: str | None = None, dtype: str | None = None,
+             backend: str = "local", base_url: str | None = None) -> "Engine":
+        """backend `local`: the model in this process. `openai`: a completions server at `base_url` serving
+        `spec` (its tokenizer is loaded here; see engine/remote.py)."""
+        if backend == "openai":
+            if not base_url:
+                raise ValueError("the openai backend needs the server's URL (--base-url)")
+            from .remote import load_remote
+            return cls(load_remote(spec, base_url))
+        if backend != "local":
+            raise ValueError(f"backend must be local or openai, not {backend!r}")
         return cls(load_model(spec, device, dtype))
 
     def open(self, text: str, settings: Settings = Settings(), page_starts: list[int] | None = None) -> "Reading":
@@ -154,8 +166,8 @@ class Reading:
             raise ValueError("The document has no text to read.")
         self.layout = engine.layout
         self.meter = Meter()
-        self.runner = Runner(lm.model, lm.tokenizer, lm.device, self.meter)
-        self.cache = make_cache(lm.model, self.limit)
+        self.runner = lm.runner(self.meter)
+        self.cache = self.runner.new_cache(self.limit)
         self.margins: dict[int, MarginNote] = {}
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
@@ -253,6 +265,7 @@ class Reading:
                     self.margins[seg.index] = MarginNote(seg.index, skip[seg.index], None, None)
                     continue
                 yield from self._write_margin(seg, query, classifier, stop)
+                yield from self.runner.drain()  # a server backend's requests (prefix reuse) for this margin
         except Stopped:
             self.cache.truncate(self.doc_end)
             yield self._stats("read", stopped=True)
@@ -308,8 +321,12 @@ class Reading:
                     yield from self._reread_window(window, stop, query, classifier)
                     continue
                 for index in window.segments:
-                    yield from self._write_margin(self.segments[index], query, classifier, stop,
-                                                  window.boundaries[index])
+                    visible = window.boundaries[index]
+                    if hasattr(self.cache, "hide"):  # server backend: the prompt leaves out the later text
+                        self.cache.hide(visible, self.doc_end)
+                        visible = None
+                    yield from self._write_margin(self.segments[index], query, classifier, stop, visible)
+                    yield from self.runner.drain()
         except Stopped:
             if len(windows) > 1 and windows[-1].kept:
                 self._load_window(windows[-1])  # answers read the last window (else answer() reads it again)
@@ -536,7 +553,8 @@ class Reading:
         else:
             writer = Abstractive(self.runner, s.margin_tokens, s.temperature, self.generator)
         with self.engine.lock:
-            scratch = Scratch(self.runner, self.cache, self.doc_end, visible, stop, lm.model.dtype)
+            scratch = (self.runner.scratch(self.cache, self.doc_end, stop) if hasattr(self.runner, "scratch")
+                       else Scratch(self.runner, self.cache, self.doc_end, visible, stop))
             try:
                 note: Note = yield from _relay(seg.index, writer.write(scratch, instruction, pieces))
             finally:
@@ -621,6 +639,7 @@ class Reading:
             return
         finally:
             self.cache.truncate(self.doc_end)  # ready for a follow-up question
+        yield from self.runner.drain()
         yield Answer(result.text.strip(), used, query, result.reason)
         yield self._stats("answer")
 
@@ -655,7 +674,8 @@ class Reading:
         tokens = m.prefill_tokens + m.decode_tokens
         return Stats(m.prefill_tokens, m.decode_tokens, round(seconds, 4),
                      round(tokens / seconds, 2) if seconds else 0.0, peak_memory_bytes(self.engine.lm.device),
-                     round(m.prefill_seconds, 4), round(m.decode_seconds, 4), phase, self.cache.kind, stopped)
+                     round(m.prefill_seconds, 4), round(m.decode_seconds, 4), phase, self.cache.kind, stopped,
+                     **m.server_fields())
 
 
 def _relay(index: int, pieces) -> Iterator[Event]:

@@ -154,8 +154,8 @@ def test_extractive_writer_never_copies_outside_the_pieces(engine):
         def __init__(self):
             self.g = torch.Generator().manual_seed(7)
 
-        def feed(self, ids):
-            return torch.randn(len(tok), generator=self.g)
+        def feed(self, ids, candidates=None):
+            return torch.log_softmax(torch.randn(len(tok), generator=self.g), dim=-1)
 
     for _ in range(20):
         gen = writer.write(RandomScratch(), [1, 2, 3], pieces)

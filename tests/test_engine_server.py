@@ -1,0 +1,148 @@
+"""WiM over a real vLLM (CPU build in .venv-vllm, `make vllm`) through its prefix cache: the server backend.
+
+One server for the module, on loopback, serving the embedded model's converted folder; the tests read through
+it with `Engine.load(..., backend="openai")` exactly as `--backend openai --base-url URL` does."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from bench.vllm_server import BLOCK_TOKENS, VLLMServer, vllm_available
+from engine import Settings
+from engine.events import Answer, Margin, Notice, ServerRequest, Stats
+
+from tests.conftest import shared
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="no .venv-vllm: run `make vllm` (make test does)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from engine.model import convert_embedded
+    with VLLMServer(convert_embedded(), tmp_path_factory.mktemp("vllm") / "vllm.log", dev_mode=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    from engine import Engine
+    engine = Engine.load("embedded", backend="openai", base_url=server.url)
+    engine.lm.block_tokens = BLOCK_TOKENS
+    return engine
+
+
+def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    settings = Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=32)
+    reading = remote.open(data["context"], settings)
+    instruction = len(remote.layout.suffix("margin", query=data["query"]))
+    events = list(reading.read(data["query"]))
+    margins = [e for e in events if isinstance(e, Margin)]
+    assert [m.index for m in margins] == list(range(len(reading.segments)))
+    assert len(reading.segments) >= 7
+    # The requests of the read, in order: one generate (the note) and one yes/no (the classifier) per segment.
+    generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
+    assert len(generate) == len(reading.segments)
+    assert all(r.cached_tokens is not None for r in generate), "start vLLM with --enable-prompt-tokens-details"
+    for seg, request in zip(reading.segments[1:], generate[1:]):
+        # The server computes the new segment and the instruction, plus at most one partly filled block.
+        assert request.computed <= seg.tokens + instruction + BLOCK_TOKENS, (seg.index, request)
+        assert not request.evicted
+    read_stats = [e for e in events if isinstance(e, Stats)][-1]
+    assert read_stats.requests == 2 * len(reading.segments)
+    assert read_stats.reuse > 0.5
+    answer_events = list(reading.answer(data["query"]))
+    answer = [e for e in answer_events if isinstance(e, Answer)][0]
+    assert answer.text
+    (request,) = [e for e in answer_events if isinstance(e, ServerRequest)]
+    # The answer prompt follows the whole document, which the margins' requests left in the server's cache.
+    assert request.computed <= request.prompt_tokens - request.shared_prefix + BLOCK_TOKENS
+    print(f"\nbabilong_8k via vLLM: {len(margins)} margins, answer {answer.text!r}; "
+          f"margin requests computed {[r.computed for r in generate]} of {[r.prompt_tokens for r in generate]} "
+          f"prompt tokens; read reuse {read_stats.reuse:.1%}")
+
+
+def test_two_readings_at_once_both_complete(server, remote):
+    """Two readings through the same server at the same time (as two app sessions would): the server batches
+    them, both finish, and each reports its own reuse. The prefix cache starts empty (the first test read the
+    same text: its blocks would count as this reading's reuse)."""
+    server.reset_prefix_cache()
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    text = data["context"]
+    jobs = {"first half": text[:len(text) // 2], "second half": text[len(text) // 2:]}
+    settings = Settings(segment_tokens=512, margin_tokens=24, answer_tokens=16)
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, part: str) -> None:
+        try:
+            results[name] = list(remote.run(part, data["query"], settings))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    for name, events in results.items():
+        reading_stats = [e for e in events if isinstance(e, Stats) and e.phase == "read"][0]
+        assert [e for e in events if isinstance(e, Answer)], name
+        assert not [e for e in events if isinstance(e, Notice) and "evicted" in e.text], name
+        assert reading_stats.reuse > 0.3, (name, reading_stats)
+        print(f"\n{name}: {reading_stats.requests} requests, reuse {reading_stats.reuse:.1%}")
+
+
+def test_follow_up_margins_through_vllm_leave_out_the_later_text(remote):
+    """remargin(): a new question's margin at boundary i is sent as the text up to segment i and the
+    instruction (the local engine masks; a server is sent the shorter prompt), so it equals a fresh read's."""
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    text = data["context"][:6000]
+    settings = Settings(segment_tokens=400, margin_tokens=16, classifier="none")
+    first = remote.open(text, settings)
+    list(first.read("Where is Mary?"))
+    again = [e for e in first.remargin(data["query"]) if isinstance(e, Margin)]
+    fresh = remote.open(text, settings)
+    direct = [e for e in fresh.read(data["query"]) if isinstance(e, Margin)]
+    assert [m.text for m in again] == [m.text for m in direct]
+
+
+def test_cli_reads_through_the_server(server, tmp_path, capsys):
+    """`python -m engine read ... --backend openai --base-url URL`: the reuse figures reach the JSON events; a
+    missing URL or an unreachable server is a clear error (exit 2), not a traceback."""
+    from engine.cli import main
+    from tests.conftest import free_port
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    doc = tmp_path / "short.json"
+    doc.write_text(json.dumps({"context": data["context"][:3000], "query": data["query"]}))
+    assert main(["read", str(doc), "--backend", "openai", "--base-url", server.url, "--segment-tokens", "300",
+                 "--margin-tokens", "8", "--answer-tokens", "8", "--jsonl"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    stats = [e for e in events if e["event"] == "stats"]
+    assert [s["phase"] for s in stats] == ["read", "answer"]
+    assert stats[0]["requests"] == 2 * sum(e["event"] == "margin" for e in events) > 0
+    assert stats[0]["cached_tokens"] > 0 and 0 < stats[0]["reuse"] < 1
+    assert main(["read", str(doc), "--backend", "openai"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+    assert main(["read", str(doc), "--backend", "openai", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_an_evicted_prefix_is_flagged(server, remote):
+    """The server's prefix cache emptied between two margins (as eviction under load would): the next margin
+    request recomputes the text before it, and the events say so."""
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    reading = remote.open(data["context"][:4000], Settings(segment_tokens=300, margin_tokens=8, classifier="none"))
+    events = []
+    for ev in reading.read(data["query"]):
+        events.append(ev)
+        if isinstance(ev, Margin) and ev.index == 0:
+            server.reset_prefix_cache()
+    generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
+    assert len(generate) >= 3
+    assert [r.evicted for r in generate] == [False, True] + [False] * (len(generate) - 2)
+    assert generate[1].computed == generate[1].prompt_tokens  # nothing was left to reuse
+    assert [e for e in events if isinstance(e, Notice) and "evicted" in e.text]
