@@ -264,7 +264,7 @@ class RemoteRunner:
         usage: dict = {}
         started = time.perf_counter()
         first_token_at = None
-        sent = 0
+        sent, over = 0, False
         import httpx
         try:
             with self.server.client.stream("POST", "/completions", json=body) as response:
@@ -289,12 +289,15 @@ class RemoteRunner:
                         if new is None and choice.get("text"):  # a server without return_token_ids
                             new = self.tokenizer.encode(choice["text"], add_special_tokens=False)
                         for token in new or []:
-                            if token in self.stop_ids or sent >= max_tokens:
+                            if over or token in self.stop_ids or sent >= max_tokens:
                                 continue
                             first_token_at = first_token_at or time.perf_counter()
                             piece = ending.add(token)
                             if piece is None:
-                                return
+                                # The text is over (a loop, a paragraph): the rest of the stream is read but
+                                # not used, for the usage (cached tokens) that comes with its last chunk.
+                                over = True
+                                continue
                             sent += 1
                             self.meter.decode_tokens += 1
                             yield token, piece
@@ -302,7 +305,7 @@ class RemoteRunner:
             raise ServerError(f"the server at {self.server.base_url} failed mid-request: {e}") from e
         finally:
             ending.close()
-            if result.reason == "limit" and sent < max_tokens:
+            if result.reason == "limit" and sent < max_tokens and not over:
                 result.reason = "end"
             ended = time.perf_counter()
             first = first_token_at or ended
@@ -317,7 +320,7 @@ class RemoteRunner:
         return ServerScratch(self, cache, doc_end, stop)
 
     def token_probabilities(self, ids: list[int], cache: TokenListCache, candidates: set[int],
-                            stop: threading.Event | None = None) -> dict[int, float]:
+                            stop: threading.Event | None = None, purpose: str = "yes/no") -> dict[int, float]:
         """P(next token) for each candidate from one `max_tokens=1` request. vLLM returns the candidates'
         log-probabilities exactly (`logprob_token_ids`); elsewhere the top-20 stand in (a candidate outside
         them counts as 0)."""
@@ -330,7 +333,7 @@ class RemoteRunner:
         reply = self.server.post("/completions", body)
         seconds = time.perf_counter() - started
         self.meter.prefill_seconds += seconds
-        self._record("yes/no", cache, prompt, reply.get("usage") or {}, 1, seconds)
+        self._record(purpose, cache, prompt, reply.get("usage") or {}, 1, seconds)
         logprobs = ((reply.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or [{}]
         found: dict[int, float] = {}
         for token, logprob in (logprobs[0] or {}).items():
@@ -376,7 +379,7 @@ class ServerScratch:
     def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
         if not candidates:
             raise RuntimeError("a server scratch needs the tokens the writer may choose next")
-        probs = self.runner.token_probabilities(ids, self.cache, candidates, self.stop)
+        probs = self.runner.token_probabilities(ids, self.cache, candidates, self.stop, purpose="margin step")
         out = torch.full((len(self.runner.tokenizer),), -math.inf)
         for token, p in probs.items():
             if p > 0:

@@ -35,14 +35,16 @@ def remote(server):
 
 def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
     data = json.loads(shared("babilong", "babilong_8k.json").read_text())
-    settings = Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=32)
+    # Free-form notes and the YES/NO classifier: one generate and one yes/no request per segment.
+    settings = Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=32, margins="abstractive",
+                        classifier="llm")
     reading = remote.open(data["context"], settings)
     instruction = len(remote.layout.suffix("margin", query=data["query"]))
     events = list(reading.read(data["query"]))
     margins = [e for e in events if isinstance(e, Margin)]
     assert [m.index for m in margins] == list(range(len(reading.segments)))
     assert len(reading.segments) >= 7
-    # The requests of the read, in order: one generate (the note) and one yes/no (the classifier) per segment.
+    # The requests of the read, in order: per segment the note's first step, the note, the classifier's yes/no.
     generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
     assert len(generate) == len(reading.segments)
     assert all(r.cached_tokens is not None for r in generate), "start vLLM with --enable-prompt-tokens-details"
@@ -51,7 +53,8 @@ def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
         assert request.computed <= seg.tokens + instruction + BLOCK_TOKENS, (seg.index, request)
         assert not request.evicted
     read_stats = [e for e in events if isinstance(e, Stats)][-1]
-    assert read_stats.requests == 2 * len(reading.segments)
+    # Per segment: the note's first step (its relevance: P(NONE)), the note, the classifier's yes/no.
+    assert read_stats.requests == 3 * len(reading.segments)
     assert read_stats.reuse > 0.5
     answer_events = list(reading.answer(data["query"]))
     answer = [e for e in answer_events if isinstance(e, Answer)][0]
@@ -62,6 +65,27 @@ def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
     print(f"\nbabilong_8k via vLLM: {len(margins)} margins, answer {answer.text!r}; "
           f"margin requests computed {[r.computed for r in generate]} of {[r.prompt_tokens for r in generate]} "
           f"prompt tokens; read reuse {read_stats.reuse:.1%}")
+
+
+def test_extractive_margins_through_vllm(remote):
+    """The default notes over a server: copied sentences of their own segment, chosen with one max_tokens=1
+    request per branch of the sentence trie; each request finds everything before it in the prefix cache."""
+    from tests.test_margins import assert_faithful
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    reading = remote.open(data["context"], Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=32))
+    instruction = len(remote.layout.suffix("margin_extractive", query=data["query"]))
+    events = list(reading.read(data["query"]))
+    margins = [e for e in events if isinstance(e, Margin)]
+    assert [m.index for m in margins] == list(range(len(reading.segments)))
+    assert_faithful(reading, margins)
+    copy = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "margin step"]
+    assert len(copy) >= len(reading.segments)  # at least the first step of every note
+    longest = max(seg.tokens for seg in reading.segments)
+    for request in copy[1:]:
+        assert request.computed <= longest + instruction + 48 + BLOCK_TOKENS, request
+        assert not request.evicted
+    answer = [e for e in reading.answer(data["query"]) if isinstance(e, Answer)][0]
+    assert answer.text and answer.ending != "limit"
 
 
 def test_two_readings_at_once_both_complete(server, remote):
