@@ -30,7 +30,6 @@ from .render import esc, pages_label
 CONTEXT_CHARS = 300          # text shown (dimmed) before and after the segment
 PAGE_SCALE = 1.5             # 108 dpi: readable in a ~600 px column without rendering huge bitmaps
 PAGE_CACHE = 12              # rendered pages kept in memory (PNG bytes of the unmarked page)
-_HIGHLIGHT = (255, 213, 0, 110)
 
 
 # ---------------------------------------------------------------- reflow
@@ -200,11 +199,10 @@ class PageImages:
         self._lock = threading.Lock()  # guards the cache and the counter (PDFium has its own lock)
 
     def page(self, pdf_path: str, page_no: int, page_text: str, ranges: list[tuple[int, int]]) -> dict:
-        """Page `page_no` (1-based) of the PDF with `ranges` (offsets into the page's cleaned text, as ingest
-        stored it: `page_text`) highlighted. Returns {png: bytes, width, height, boxes: [(x0, y0, x1, y1)]},
-        boxes in image pixels."""
-        from PIL import Image, ImageDraw
-
+        """Page `page_no` (1-based) of the PDF, and the boxes of the characters in `ranges` (offsets into the
+        page's cleaned text, as ingest stored it: `page_text`). Returns {png: bytes of the unmarked page, width,
+        height, boxes: [(x0, y0, x1, y1)] in image pixels}. The boxes are drawn over the image in HTML, so a
+        cached page is sent as it is, with no decoding or re-encoding."""
         key = (os.path.abspath(pdf_path), page_no)
         with self._lock:
             png = self._cache.get(key)
@@ -224,7 +222,7 @@ class PageImages:
                         image = bitmap.to_pil()
                         bitmap.close()
                         buf = io.BytesIO()
-                        image.save(buf, format="PNG", optimize=False)
+                        image.save(buf, format="PNG", compress_level=1)  # fast; the page is sent once a view
                         png = buf.getvalue()
                         with self._lock:
                             self.renders += 1
@@ -236,16 +234,8 @@ class PageImages:
                     page.close()
             finally:
                 pdf.close()
-        image = Image.open(io.BytesIO(png)).convert("RGBA")
-        if boxes:
-            overlay = Image.new("RGBA", image.size, (0, 0, 0, 0))
-            draw = ImageDraw.Draw(overlay)
-            for box in boxes:
-                draw.rectangle(box, fill=_HIGHLIGHT)
-            image = Image.alpha_composite(image, overlay)
-        buf = io.BytesIO()
-        image.convert("RGB").save(buf, format="PNG")
-        return {"png": buf.getvalue(), "width": image.width, "height": image.height, "boxes": boxes}
+        return {"png": png, "width": round(width * self.scale), "height": round(height * self.scale),
+                "boxes": boxes}
 
     def _boxes(self, textpage, page_text: str, ranges, left: float, bottom: float, height: float) -> list:
         raw = textpage.get_text_range()
@@ -269,14 +259,25 @@ class PageImages:
         return boxes
 
 
-def page_html(result: dict | None, page_no: int | None, pages_total: int | None, message: str = "") -> str:
-    """The page tab: the rendered page as an inline PNG, or why there is none."""
+def page_html(result: dict | None, page_no: int | None, pages_total: int | None, message: str = "",
+              continues: int | None = None) -> str:
+    """The page tab: the rendered page as an inline PNG, or why there is none. `continues`: the last page the
+    passage runs on to, when it does not end on this one."""
     if result is None:
         body = esc(message or "Pages show here for PDF documents.")
         return f'<div class="mg-page mg-page-empty">{body}</div>'
     data = base64.b64encode(result["png"]).decode("ascii")
     of = f" of {pages_total}" if pages_total else ""
-    return (f'<div class="mg-page" data-page="{page_no}"><div class="mg-segview-head"><span class="mg-segview-label">'
-            f'Page {page_no}{of}</span> {len(result["boxes"])} highlighted box(es)</div>'
-            f'<img class="mg-page-img" data-page="{page_no}" alt="Page {page_no} of the PDF" '
-            f'width="{result["width"]}" height="{result["height"]}" src="data:image/png;base64,{data}"></div>')
+    w, h = result["width"], result["height"]
+    focus = min(b[1] for b in result["boxes"]) / h if result["boxes"] else 0.0
+    boxes = "".join(
+        f'<span class="mg-box" style="left:{100 * x0 / w:.2f}%;top:{100 * y0 / h:.2f}%;'
+        f'width:{100 * (x1 - x0) / w:.2f}%;height:{100 * (y1 - y0) / h:.2f}%"></span>'
+        for x0, y0, x1, y1 in result["boxes"])
+    n = len(result["boxes"])
+    return (f'<div class="mg-page" data-page="{page_no}" data-focus="{focus:.3f}"><div class="mg-segview-head">'
+            f'<span class="mg-segview-label">Page {page_no}{of}</span> the passage\'s characters highlighted'
+            f'{"" if n else " (none found on this page)"}'
+            f'{f" · continues to p. {continues}" if continues and continues > page_no else ""}</div><div class="mg-page-scroll"><div class="mg-page-frame">'
+            f'<img class="mg-page-img" data-page="{page_no}" alt="Page {page_no} of the PDF" width="{w}" '
+            f'height="{h}" src="data:image/png;base64,{data}">{boxes}</div></div></div>')

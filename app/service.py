@@ -371,7 +371,8 @@ class Service:
         except Exception as e:  # a damaged file on disk: say so, keep the text view
             log.exception("rendering page %s of %s failed", page_no, path)
             return passages.page_html(None, None, None, f"Page {page_no} couldn't be drawn: {e}"), None
-        return passages.page_html(result, page_no, len(starts)), page_no
+        last = passages.page_of(starts, max(e for _, e in ranges) - 1)
+        return passages.page_html(result, page_no, len(starts), continues=last), page_no
 
     def library_html(self, owner: str, current: str | None = None) -> str:
         rows = self.store.library(owner) if owner else []

@@ -113,14 +113,15 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                                elem_id="delete-btn")
                 segment_view = gr.HTML(render.empty_segment(), js_on_load=static_text("segment.js"),
                                        elem_id="segment-view")
+            with gr.Column(scale=7, min_width=420):
+                panel = gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"), elem_id="margin-panel")
                 with gr.Tabs(elem_id="passage-tabs"):
                     with gr.Tab("Passage", id="passage-text-tab", elem_id="passage-text-tab"):
                         passage_text = gr.HTML(empty_passage(), js_on_load=static_text("passage.js"),
                                                elem_id="passage-text")
                     with gr.Tab("Page", id="passage-page-tab", elem_id="passage-page-tab"):
-                        passage_page = gr.HTML(page_html(None, None, None), js_on_load=None, elem_id="passage-page")
-            with gr.Column(scale=7, min_width=420):
-                panel = gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"), elem_id="margin-panel")
+                        passage_page = gr.HTML(page_html(None, None, None), js_on_load=static_text("page.js"),
+                                               elem_id="passage-page")
                 with gr.Row(elem_id="answer-row"):
                     answer_btn = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
                     export_btn = gr.Button("Export", elem_id="export-btn", scale=1)

@@ -2,5 +2,7 @@
 // (trigger 'select' with the segment index; the server knows which session is open).
 element.addEventListener('click', function (e) {
   const chip = e.target.closest('.mg-chip[data-index]');
-  if (chip) trigger('select', {index: Number(chip.dataset.index)});
+  if (!chip) return;
+  window.marginaliaOpened = Date.now();  // static/passage.js brings the passage into view
+  trigger('select', {index: Number(chip.dataset.index)});
 });

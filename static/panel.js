@@ -76,6 +76,7 @@ function openPassage(index) {
   if (!panel) return;
   focused = Number(index);
   outline();
+  window.marginaliaOpened = Date.now();  // static/passage.js brings the passage into view
   trigger('select', {session: panel.dataset.session, index: Number(index)});
 }
 
