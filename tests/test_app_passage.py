@@ -211,6 +211,8 @@ def test_library_lists_progress_opens_where_left_and_continues(page, server):
     assert panel(page)["session"] == full["session"]
     shown_passage(page, server, 1)  # the keyboard test opened segment 2's passage last
 
+    if SCREENSHOTS:  # one reading finished, one stopped (Continue)
+        page.locator("#sessions-box").screenshot(path=str(ROOT / "static" / "library.png"))
     # Continue the stopped one: it resumes where it stopped and reads to the end.
     with db(server) as conn:
         before = {r["segment_index"]: r["created"] for r in conn.execute(
@@ -225,8 +227,6 @@ def test_library_lists_progress_opens_where_left_and_continues(page, server):
     assert len(after) == stopped["total"] and all(after[i] == c for i, c in before.items())
     page.wait_for_function(f"""() => {{ const r = document.querySelector('#library .mg-reading[data-session="{stopped['session']}"]');
         return r && r.dataset.status === 'read'; }}""", timeout=60_000)
-    if SCREENSHOTS:
-        page.locator("#sessions-box").screenshot(path=str(ROOT / "static" / "library.png"))
 
     # Delete from the library asks once more on the button, then removes the reading.
     delete = page.locator(f'#library .mg-reading[data-session="{full["session"]}"] button[data-action="delete"]')
