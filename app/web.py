@@ -381,6 +381,10 @@ def build(service: Service, secret: str) -> gr.Blocks:
                           api_visibility="private", concurrency_limit=4, show_progress="hidden",
                           trigger_mode="always_last")
 
+        # A new reading (or another one opened) shows in the library at once; the job's end refreshes it again.
+        session_state.change(refresh_library, inputs=[browser, session_state], outputs=[library],
+                             api_visibility="private", show_progress="hidden")
+
         def on_library(owner, evt: gr.EventData, request: gr.Request):
             """Open, continue (resume) or delete a reading from the library."""
             data = getattr(evt, "_data", None) or {}

@@ -88,6 +88,7 @@ def shown_passage(page, server, index: int) -> None:
 
 def test_card_chip_and_keys_open_passages(page, server, alice):
     start_reading(page, alice, "Why does Alice follow the White Rabbit?")
+    page.wait_for_selector(f'#library .mg-reading[data-session="{panel(page)["session"]}"]', timeout=60_000)
     wait_status(page, "done", timeout=600_000)
     assert panel(page)["done"] >= 3
 
