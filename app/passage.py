@@ -95,9 +95,10 @@ def _window(text: str, seg_start: int, seg_end: int, context: int) -> tuple[int,
 
 
 def passage_html(text: str, kind: str, seg_start: int, seg_end: int, index: int, total: int,
-                 pages: tuple[int, int] | None = None, spans=(), margin: str = "",
+                 pages: tuple[int, int] | None = None, spans=(), margin: str | None = None,
                  context: int = CONTEXT_CHARS) -> str:
     """One segment of the document, with the margin's spans highlighted (the whole segment when it has none).
+    `margin`: the margin's text; None when the segment has no margin yet.
 
     Each highlight is a <mark class="mg-span"> carrying data-start/data-end, the offsets it covers."""
     spans = _clip(spans, seg_start, seg_end)
@@ -119,8 +120,12 @@ def passage_html(text: str, kind: str, seg_start: int, seg_end: int, index: int,
     meta = [f"segment {index + 1} of {total}"]
     if pages:
         meta.append(pages_label(pages))
-    meta.append("whole segment highlighted: this margin copied no passage" if whole else
-                f"{len(spans)} passage{'s' if len(spans) != 1 else ''} the margin copied highlighted")
+    if margin is None:
+        meta.append("no margin yet: whole segment highlighted")
+    elif whole:
+        meta.append("whole segment highlighted: this margin copied no passage")
+    else:
+        meta.append(f"{len(spans)} passage{'s' if len(spans) != 1 else ''} the margin copied highlighted")
     note = f'<div class="mg-passage-margin"><span>Margin</span> {esc(margin)}</div>' if margin else ""
     return (f'<div class="mg-segview mg-passage" data-index="{index}" data-whole="{1 if whole else 0}" '
             f'data-start="{seg_start}" data-end="{seg_end}"><div class="mg-segview-head">'

@@ -348,7 +348,7 @@ class Service:
         margin = next((m for m in self.store.margins(session["id"]) if m["segment_index"] == index), None)
         spans = margin["spans"] if margin else []
         text = passages.passage_html(doc["text"], doc["kind"], seg.char_start, seg.char_end, index, len(segments),
-                                     seg.pages, spans, margin["text"] if margin else "")
+                                     seg.pages, spans, margin["text"] if margin else None)
         page, page_no = self._page(doc, seg, spans)
         return {"text": text, "page": page, "page_no": page_no}
 

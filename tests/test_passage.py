@@ -107,6 +107,9 @@ def test_one_passage_of_a_117_page_pdf_renders_one_page(service):
     assert service.pages.renders == 1
     assert service.store.get_session(sid)["position"] == seg.index  # where the reader left off
     assert service.view("alice", sid)["passage"].count('class="mg-span"') == 1  # reopened there
+    assert service.pages.renders == 1
+    unread = service.passage("alice", sid, seg.index + 1)  # a segment with no margin yet: shown whole
+    assert "no margin yet" in unread["text"] and service.pages.renders <= 2
     with pytest.raises(UserError):
         service.passage("alice", sid, len(segments) + 5)
     with pytest.raises(UserError):
