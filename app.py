@@ -51,8 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
-    p.add_argument("--classifier", choices=["llm", "embedding", "none"],
-                   default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier))
+    p.add_argument("--classifier", choices=["margin", "llm", "embedding", "none"],
+                   default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier),
+                   help="margin: relevance from the note itself; llm: the model says yes/no; embedding: MiniLM")
+    p.add_argument("--margins", choices=["extractive", "scored", "abstractive"],
+                   default=os.environ.get("MARGINALIA_MARGINS", Settings.margins),
+                   help="extractive: sentences copied from the text; abstractive: free-form notes "
+                        "[env MARGINALIA_MARGINS]")
     p.add_argument("--context-limit", type=int, default=_env_int("MARGINALIA_CONTEXT_LIMIT", None),
                    help="cap the tokens one reading may hold (default: the model's context window)")
     p.add_argument("--no-warm-up", action="store_true", help="skip the short warm-up reading at start-up")
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     store = Store(data_dir / "marginalia.db")
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
-                        args.context_limit)
+                        args.context_limit, args.margins)
     service = Service(engine, store, defaults)
     if not args.no_warm_up and not worker.ZERO_GPU:
         t = time.perf_counter()

@@ -56,6 +56,7 @@ class Defaults:
     answer_tokens: int = Settings.answer_tokens
     classifier: str = Settings.classifier
     context_limit: int | None = None  # cap on the tokens a reading's cache may hold (None: the model's window)
+    margins: str = Settings.margins   # extractive | scored | abstractive
 
 
 def _now() -> float:
@@ -122,13 +123,15 @@ class Service:
 
     # ------------------------------------------------------------------ settings and documents
 
-    def settings(self, segment_tokens=None, margin_tokens=None, answer_tokens=None, classifier=None) -> Settings:
+    def settings(self, segment_tokens=None, margin_tokens=None, answer_tokens=None, classifier=None,
+                 margins=None) -> Settings:
         d = self.defaults
         try:
             return Settings(segment_tokens=int(segment_tokens or d.segment_tokens),
                             margin_tokens=int(margin_tokens or d.margin_tokens),
                             answer_tokens=int(answer_tokens or d.answer_tokens),
-                            classifier=classifier or d.classifier, context_limit=d.context_limit).validate()
+                            classifier=classifier or d.classifier, context_limit=d.context_limit,
+                            margins=margins or d.margins).validate()
         except (TypeError, ValueError) as e:
             raise UserError(f"Those settings don't work: {e}") from e
 

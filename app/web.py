@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent.parent / "static"
 ENGINE = "engine"  # the concurrency group of everything that runs the model
 BROWSER_KEY = "marginalia-browser"
-CLASSIFIERS = [("LLM (the reading model says yes/no)", "llm"), ("Embedding similarity (MiniLM)", "embedding"),
+CLASSIFIERS = [("The note itself (copied something or said nothing)", "margin"),
+               ("LLM (the reading model says yes/no)", "llm"), ("Embedding similarity (MiniLM)", "embedding"),
                ("None (keep every margin)", "none")]
 
 

@@ -27,10 +27,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from engine.classify import says_nothing
+
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
-WIM_MODES = ("wim-llm", "wim-embedding", "wim-none")
+WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none")
 MODES = (*WIM_MODES, "llm", "rag", "margins-only")
 ALIASES = {"wim": WIM_MODES}
 LENGTHS = (4000, 7200)  # "4k" and "8k": 7.2k leaves the 8,192-token window room for 8 margins and the answer
@@ -98,16 +100,18 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 
 # ---- running the modes on one case ------------------------------------------------------------------------------
 class Evaluator:
-    def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int):
+    def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
+                 margins: str = "extractive"):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
+        self.margins = margins
 
     def settings(self, case: Case, mode: str):
         from engine import Settings
         tok = self.engine.lm.tokenizer
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
-                        answer_tokens=case.answer_tokens, classifier="none")
+                        answer_tokens=case.answer_tokens, classifier="none", margins=self.margins)
 
     def run(self, case: Case, modes: list[str], stored: dict[str, dict]) -> dict[str, dict]:
         """Records for the `modes` not yet in `stored` (mode -> record)."""
@@ -134,7 +138,14 @@ class Evaluator:
                     failed[method] = f"{type(exc).__name__}: {exc}"
                     print(f"{case.key}: classifier {method} failed: {failed[method]}", flush=True)
             verdicts["none"] = {i: bool(text) for i, text in margins.items()}
+            # `margin`: relevance from the note itself; a note is kept unless it said "nothing relevant".
+            verdicts["margin"] = {i: bool(text) and not says_nothing(text) for i, text in margins.items()}
+            notes = {e.index: e for e in events if e.kind == "margin"}
+            gold = gold_segments(case, reading)
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
+                    "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
+                    "gold_segments": gold,
+                    "stats": next((e.to_dict() for e in events if e.kind == "stats"), None),
                     "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
                     "windows": 1 + sum(e.kind == "window" for e in events)}
             out["wim-read"] = read
@@ -149,7 +160,8 @@ class Evaluator:
                     continue
                 t = time.perf_counter()
                 answer = [e for e in reading.answer(case.query, margins=chosen) if isinstance(e, Answer)][0]
-                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen)
+                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
+                                         ending=answer.ending)
                 answered[tuple(chosen)] = out[mode]
             del reading
         if "margins-only" in modes and "margins-only" not in stored and "llm" in read["verdicts"]:
@@ -169,12 +181,24 @@ class Evaluator:
                     print(f"{case.key}: {mode} failed: {type(exc).__name__}: {exc}", flush=True)
                     continue
                 answer = [e for e in events if isinstance(e, Answer)][0]
-                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t)
+                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending)
         return out
 
     @staticmethod
     def _record(case: Case, mode: str, prediction: str, seconds: float, **extra) -> dict:
         return {"mode": mode, "prediction": prediction, "seconds": seconds, **score(case, prediction), **extra}
+
+
+def gold_segments(case: Case, reading) -> list[int]:
+    """Segments that hold a gold fact: one of the case's inserted answer texts, or a 40-character end of one
+    (a text cut by a segment boundary counts for both sides)."""
+    gold = case.info.get("gold") or []
+    found = []
+    for seg in reading.segments:
+        body = reading.doc.segment_text(seg)
+        if any(g in body or g[:40] in body or g[-40:] in body for g in gold):
+            found.append(seg.index)
+    return found
 
 
 # ---- the record of results --------------------------------------------------------------------------------------
@@ -183,6 +207,7 @@ def fingerprint(engine, args) -> str:
     from engine.prompts import PROMPT_DIR
     from .baselines import MARGINS_ONLY_PROMPT
     parts = [engine.lm.name, str(engine.lm.dtype), args.margin_tokens, args.segments, args.max_segment_tokens,
+             *([args.margins] if args.margins != "abstractive" else []),
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
@@ -278,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--margin-tokens", type=int, default=64)
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
+    parser.add_argument("--margins", default="extractive", choices=("extractive", "scored", "abstractive"),
+                        help="how margins are written (engine Settings.margins)")
     parser.add_argument("--quick", action="store_true", help="smoke test: one short case per task")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
                                                                 "--quick requires it)")
@@ -340,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(x) for x in args.shard.split("/"))
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
-    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens)
+    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens,
             "max_segment_tokens": args.max_segment_tokens, "seed": args.seed, "n": args.n, "tasks": tasks,

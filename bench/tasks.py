@@ -30,6 +30,8 @@ PROSE_BOOKS = ("pg1342.txt", "pg1661.txt", "pg84.txt", "pg11.txt")
 
 @dataclass
 class Case:
+    """One question on one document. `info["gold"]`: the inserted texts that hold the answer (a segment that
+    contains one holds a gold fact: what a margin's relevance should find)."""
     task: str
     length: int                  # target length in tokens (for fixed samples: their own length)
     index: int
@@ -135,7 +137,7 @@ def babilong(rng, tokenizer, length):
     facts, question, answer = rng.choice(_babi(name))
     text, depth = haystack(rng, tokenizer, length, facts, ordered=True)
     return dict(text=text, query=question, answers=[answer], info={"babi": name[:3], "facts": len(facts),
-                                                                    "depth": depth})
+                                                                    "depth": depth, "gold": facts})
 
 
 # ---- multi-hop needles -------------------------------------------------------------------------------------------
@@ -189,7 +191,8 @@ def multihop(rng, tokenizer, length):
     needles = chain[:hops] + distractors[:hops]
     text, depth = haystack(rng, tokenizer, length, needles, ordered=False)
     return dict(text=text, query=query, answers=[answer], info={"hops": hops, "chain": chain[:hops],
-                                                                "distractors": distractors[:hops], "depth": depth})
+                                                                "distractors": distractors[:hops], "depth": depth,
+                                                                "gold": chain[:hops]})
 
 
 # ---- aggregation (CWE in prose) -------------------------------------------------------------------------------
@@ -215,7 +218,8 @@ def aggregation(rng, tokenizer, length):
     query = ("Ledger entries are scattered through the text. Which 10 items does the ledger record most often? "
              "List the 10 items, separated by commas.")
     return dict(text=text, query=query, answers=top, kind="list", answer_tokens=64,
-                info={"per_common": common, "per_rare": rare, "rare": others})
+                info={"per_common": common, "per_rare": rare, "rare": others,
+                      "gold": [e for e in entries if any(it in e for it in top)]})
 
 
 # ---- HotpotQA and SQuAD in prose -----------------------------------------------------------------------------
@@ -268,7 +272,7 @@ def hotpotqa(rng, tokenizer, length, index, seed):
     text, depth = haystack(rng, tokenizer, length, _fitting(tokenizer, length, gold, extra), ordered=False,
                            by="paragraph")
     return dict(text=text, query=ex["question"], answers=[ex["answer"]],
-                info={"id": ex["_id"], "type": ex["type"], "gold_depth": depth[:len(gold)]})
+                info={"id": ex["_id"], "type": ex["type"], "gold_depth": depth[:len(gold)], "gold": gold})
 
 
 def squad(rng, tokenizer, length, index, seed):
@@ -277,7 +281,7 @@ def squad(rng, tokenizer, length, index, seed):
     extra = rng.sample(others, min(3, len(others)))
     text, depth = haystack(rng, tokenizer, length, _fitting(tokenizer, length, [paragraph], extra), ordered=False,
                            by="paragraph")
-    return dict(text=text, query=question, answers=answers, info={"gold_depth": depth[0]})
+    return dict(text=text, query=question, answers=answers, info={"gold_depth": depth[0], "gold": [paragraph]})
 
 
 # ---- the shared BABILong samples -------------------------------------------------------------------------------

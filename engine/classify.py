@@ -5,6 +5,9 @@
 - `embedding`: all-MiniLM-L6-v2 cosine similarity of query and margin against a threshold, after a check for
   "nothing relevant here" answers (the margin prompt asks for NO#), which embeddings cannot tell apart.
 - `none`: no verdict; every margin is offered to the answer.
+- `margin`: no second prompt: a note that is not "nothing relevant" is relevant, scored by the probability the
+  model gave to starting a copy rather than the marker at the note's first step (engine/margins.py). Called
+  here, after the fact (no first step to look at), it can only say whether the note is empty.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 from .cache import make_cache
 from .prompts import PromptLayout
 
-CLASSIFIERS = ("llm", "embedding", "none")
+CLASSIFIERS = ("margin", "llm", "embedding", "none")
 
 _NOTHING = re.compile(
     r"^\W*(no#|no\b|none\b|nothing\b|n/a\b|not (mentioned|relevant|applicable)|there is no|there are no|"
@@ -78,6 +81,8 @@ class Classifier:
     def __call__(self, query: str, margin: str, stop=None) -> tuple[bool | None, float | None]:
         if self.method == "none":
             return None, None
+        if self.method == "margin":
+            return not says_nothing(margin), None
         if self.method == "llm":
             score = self.llm.score(query, margin, stop)
             return score >= 0.5, round(score, 4)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .classify import CLASSIFIERS
+from .margins import MARGIN_STYLES
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
@@ -45,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
     read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
     read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
-    read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier)
+    read.add_argument("--margins", choices=MARGIN_STYLES, default=Settings.margins,
+                      help="extractive: sentences copied from the text (constrained); scored: the same, chosen by "
+                           "scoring every sentence; abstractive: free-form notes")
+    read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier,
+                      help="margin: relevance from the note itself (no second prompt); llm: the model says yes/no; "
+                           "embedding: MiniLM similarity; none: keep every note")
     read.add_argument("--context-limit", type=int, default=None, help="tokens the KV cache may hold")
     read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     read.add_argument("--window", choices=WINDOWS, default=Settings.window,
@@ -117,7 +123,7 @@ class HumanOutput:
 def cmd_read(args) -> int:
     text, query, target = load_input(args.path, args.query)
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
-                        answer_tokens=args.answer_tokens, classifier=args.classifier,
+                        answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
                         temperature=args.temperature, context_limit=args.context_limit,
                         window=args.window,
                         # Follow-ups here answer from the last window and the margins (no remargin), so

@@ -64,6 +64,7 @@ class Margin(Event):
     seconds: float = 0.0
     pages: tuple[int, int] | None = None
     spans: tuple[tuple[int, int], ...] = ()
+    ending: str = ""          # end | nothing | limit | repeat: how the note ended (limit: cut at its token cap)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Answer(Event):
     text: str
     margins_used: list[int] = field(default_factory=list)
     query: str = ""
+    ending: str = ""          # end | paragraph | repeat | limit (cut at the answer's token cap)
 
 
 @dataclass(frozen=True)

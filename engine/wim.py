@@ -30,7 +30,8 @@ import torch
 from .cache import key_rotation, make_cache
 from .classify import Classifier, embed
 from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
-from .generate import Meter, Runner, Stopped, peak_memory_bytes
+from .generate import DecodeResult, Meter, Runner, Stopped, peak_memory_bytes
+from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .model import LoadedModel, load_model
 from .prompts import PromptLayout
 from .segment import Segment, segment
@@ -47,9 +48,12 @@ class DocumentTooLong(ValueError):
 class Settings:
     mode: str = "wim"                  # wim | llm (plain long-context) | rag (top-k segments)
     segment_tokens: int = 1024         # target segment size, in the model's tokens
+    margins: str = "extractive"        # extractive (copied sentences, constrained) | scored | abstractive
     margin_tokens: int = 96            # longest margin note
     answer_tokens: int = 128           # longest answer
-    classifier: str = "llm"            # llm | embedding | none
+    classifier: str = "margin"         # margin (relevance from the note itself) | llm | embedding | none
+    # An extractive note copies only where P(start a copy) / (P(copy) + P(NONE)) at its first step reaches this.
+    copy_threshold: float = 0.5
     embedding_threshold: float = 0.3
     rag_top_k: int = 3
     temperature: float = 0.0           # 0: greedy
@@ -67,6 +71,8 @@ class Settings:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.window not in WINDOWS:
             raise ValueError(f"window must be one of {', '.join(WINDOWS)}")
+        if self.margins not in MARGIN_STYLES:
+            raise ValueError(f"margins must be one of {', '.join(MARGIN_STYLES)}")
         if self.window_cache_budget_bytes < 0:
             raise ValueError("window_cache_budget_bytes must be ≥ 0")
         if self.segment_tokens < 32 or self.margin_tokens < 1 or self.answer_tokens < 1:
@@ -76,6 +82,11 @@ class Settings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def margin_prompt(self) -> str:
+        """The instruction after each segment (engine/prompts/): copying asks for sentences or NONE."""
+        return "margin" if self.margins == "abstractive" else "margin_extractive"
+
 
 @dataclass
 class MarginNote:
@@ -83,6 +94,7 @@ class MarginNote:
     text: str
     relevant: bool | None
     score: float | None
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -166,7 +178,7 @@ class Reading:
         carried by its margins), `llm` keeps the beginning and the end (the middle is skipped, as LongBench
         truncates), `rag` is unaffected (it reads only its top-k segments)."""
         s = self.settings
-        self.margin_reserve = len(self.layout.suffix("margin", query="")) + 64 + s.margin_tokens
+        self.margin_reserve = len(self.layout.suffix(s.margin_prompt, query="")) + 64 + s.margin_tokens
         need = len(self.layout.prefix) + len(self.doc.token_ids) + self.margin_reserve
         self.multiwindow = need > self.limit
         # In a multi-window reading the last window must leave room for the answer's notes and the answer.
@@ -326,23 +338,6 @@ class Reading:
                 yield from self._write_margin(self.segments[index], query, classifier, stop)
         if query is not None and window is not self.windows[-1]:
             self._keep_window(window)  # quietly: the notice above has said what happens
-
-    def _masked_forward(self, ids: list[int], visible: int, stop) -> torch.Tensor:
-        """Feed scratch tokens stored after the document but positioned after boundary `visible`."""
-        scratch = self.cache.length - self.doc_end          # scratch tokens already in the cache
-        q, kv = len(ids), self.cache.length + len(ids)
-        dtype = self.engine.lm.model.dtype
-        mask = torch.full((q, kv), torch.finfo(dtype).min, dtype=dtype, device=self.engine.lm.device)
-        mask[:, :visible] = 0
-        for j in range(q):  # causal among the scratch tokens
-            mask[j, self.doc_end:self.doc_end + scratch + j + 1] = 0
-        t = time.perf_counter()
-        logits = self.runner.forward(ids, self.cache, stop, attention_mask=mask[None, None],
-                                     position_start=visible + scratch)
-        if q > 1:
-            self.meter.prefill_tokens += q
-            self.meter.prefill_seconds += time.perf_counter() - t
-        return logits
 
     def _new_window(self, first_segment: int, stop) -> Iterator[Event]:
         """Start a fresh window: instructions, the relevant margins so far (the only trace of the text that
@@ -525,33 +520,40 @@ class Reading:
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
                       visible: int | None = None) -> Iterator[Event]:
-        """Instruction, note, cut. `visible=None`: the instruction follows the end of the cache (reading).
-        An int: it sits in scratch room past the document, positioned after boundary `visible` and masked to
-        see only the cache up to there (new-question margins)."""
+        """Instruction, note, cut (engine/margins.py writes the note). `visible=None`: the instruction follows
+        the end of the cache (reading). An int: it sits in scratch room past the document, positioned after
+        boundary `visible` and masked to see only the cache up to there (new-question margins)."""
         t = time.perf_counter()
-        instruction = self.layout.suffix("margin", query=query)
-        if visible is None:
-            first, step = (lambda: self.runner.prefill(instruction, self.cache, stop)), None
+        s = self.settings
+        lm = self.engine.lm
+        instruction = self.layout.suffix(s.margin_prompt, query=query)
+        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
+        if s.margins == "extractive":
+            writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
+                                s.copy_threshold)
+        elif s.margins == "scored":
+            writer = Scored(lm.tokenizer, s.margin_tokens, s.copy_threshold)
         else:
-            first = lambda: self._masked_forward(instruction, visible, stop)  # noqa: E731
-            step = lambda token: self._masked_forward([token], visible, stop)  # noqa: E731
-        pieces, count = [], 0
+            writer = Abstractive(self.runner, s.margin_tokens, s.temperature, self.generator)
         with self.engine.lock:
+            scratch = Scratch(self.runner, self.cache, self.doc_end, visible, stop, lm.model.dtype)
             try:
-                logits = first()
-                for _, piece in self.runner.decode(self.cache, logits, self.settings.margin_tokens, stop,
-                                                   self.settings.temperature, self.generator, step):
-                    count += 1
-                    if piece:
-                        pieces.append(piece)
-                        yield MarginToken(seg.index, piece)
+                note: Note = yield from _relay(seg.index, writer.write(scratch, instruction, pieces))
             finally:
                 # Cut the instruction and the note off: the cache is back at the end of the document.
                 self.cache.truncate(self.doc_end)
-            text = "".join(pieces).strip()
-            relevant, score = classifier(query, text, stop)
-        self.margins[seg.index] = MarginNote(seg.index, text, relevant, score)
-        yield Margin(seg.index, text, relevant, score, count, round(time.perf_counter() - t, 4), seg.pages)
+            if s.classifier == "none":
+                relevant, score = None, note.relevance
+            elif not note.text:
+                relevant, score = False, note.relevance
+            elif s.classifier == "margin":
+                relevant, score = True, note.relevance
+            else:
+                relevant, score = classifier(query, note.text, stop)
+        score = None if score is None else round(score, 4)
+        self.margins[seg.index] = MarginNote(seg.index, note.text, relevant, score, list(note.spans))
+        yield Margin(seg.index, note.text, relevant, score, note.tokens, round(time.perf_counter() - t, 4), seg.pages,
+                     note.spans, note.ending)
 
     def _rag_choice(self, query: str) -> set[int]:
         """Indexes of the top-k segments by MiniLM similarity to the query (the RAG baseline)."""
@@ -604,22 +606,22 @@ class Reading:
                              f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
         else:
             ids, used = self.layout.suffix("answer_plain", query=query), []
-        pieces = []
+        result = DecodeResult()
         try:
             with self.engine.lock:
                 logits = self.runner.prefill(ids, self.cache, stop)
                 room = self.limit - self.cache.length
                 for _, piece in self.runner.decode(self.cache, logits, min(self.settings.answer_tokens, room),
-                                                   stop, self.settings.temperature, self.generator):
+                                                   stop, self.settings.temperature, self.generator,
+                                                   result=result, paragraph=True):
                     if piece:
-                        pieces.append(piece)
                         yield AnswerToken(piece)
         except Stopped:
             yield self._stats("answer", stopped=True)
             return
         finally:
             self.cache.truncate(self.doc_end)  # ready for a follow-up question
-        yield Answer("".join(pieces).strip(), used, query)
+        yield Answer(result.text.strip(), used, query, result.reason)
         yield self._stats("answer")
 
     def _answer_prompt(self, query: str, notes: dict[int, str]) -> tuple[list[int], list[int], list[int]]:
@@ -654,3 +656,13 @@ class Reading:
         return Stats(m.prefill_tokens, m.decode_tokens, round(seconds, 4),
                      round(tokens / seconds, 2) if seconds else 0.0, peak_memory_bytes(self.engine.lm.device),
                      round(m.prefill_seconds, 4), round(m.decode_seconds, 4), phase, self.cache.kind, stopped)
+
+
+def _relay(index: int, pieces) -> Iterator[Event]:
+    """Stream a margin writer's text pieces as MarginToken events; return the writer's Note."""
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            return done.value
+        yield MarginToken(index, piece)

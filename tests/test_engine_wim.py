@@ -23,7 +23,9 @@ SMALL = Settings(segment_tokens=300, margin_tokens=16, answer_tokens=16, classif
 
 def test_babilong_8k_end_to_end(engine):
     data = json.loads(shared("babilong", "babilong_8k.json").read_text())
-    reading = engine.open(data["context"], Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=24))
+    # Free-form margins and the YES/NO classifier (the paper's design; extractive notes: tests/test_margins.py).
+    reading = engine.open(data["context"], Settings(segment_tokens=1024, margin_tokens=48, answer_tokens=24,
+                                                    margins="abstractive", classifier="llm"))
     events = list(reading.read(data["query"])) + list(reading.answer(data["query"]))
     segments = [e for e in events if isinstance(e, SegmentRead)]
     margins = [e for e in events if isinstance(e, Margin)]
@@ -39,7 +41,8 @@ def test_babilong_8k_end_to_end(engine):
     assert order == [x for i in range(n) for x in (("SegmentRead", i), ("Margin", i))]
     for m in margins:
         streamed = "".join(e.text for e in events if isinstance(e, MarginToken) and e.index == m.index)
-        assert streamed.strip() == m.text and 0 < m.tokens <= 48
+        # A note cut at a loop streamed the start of the repetition; the finished note leaves it out.
+        assert streamed.strip().startswith(m.text) and 0 < m.tokens <= 48
         assert isinstance(m.relevant, bool) and 0.0 <= m.score <= 1.0
     # Token accounting: the document is prefilled once; each margin adds its instruction; the llm classifier
     # reads (query, margin) in its own scratch cache.

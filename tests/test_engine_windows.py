@@ -109,7 +109,9 @@ def _alice(n_chars: int) -> str:
 
 
 def test_new_question_margins_from_the_cache_equal_a_fresh_read(engine):
-    settings = Settings(segment_tokens=300, margin_tokens=20, classifier="none")
+    # Free-form notes, so the prefill accounting below is the instructions alone (an extractive note feeds the
+    # sentences it copies as prefill: tests/test_margins.py checks its remargin).
+    settings = Settings(segment_tokens=300, margin_tokens=20, classifier="none", margins="abstractive")
     old, new = "Where does Alice fall?", "What is the name of Alice's cat?"
     fresh = [e.text for e in engine.open(_alice(3000), settings).read(new) if isinstance(e, Margin)]
     reading = engine.open(_alice(3000), settings)
@@ -143,19 +145,23 @@ def test_saved_cache_gives_bit_identical_logits(engine, tmp_path):
 # 46,080 bytes a token (30 layers x keys and values x 3 heads x 64 dims x fp32): a 20 MiB budget keeps window 0
 # in memory and sends the later windows to disk, so both ways back are exercised.
 WINDOWED = Settings(segment_tokens=100, margin_tokens=8, answer_tokens=8, classifier="none", context_limit=512,
-                    window_cache_budget_bytes=20 * 2**20)
+                    window_cache_budget_bytes=20 * 2**20, margins="abstractive")
 OLD, NEW = "Where does Alice fall?", "What is the name of Alice's cat?"
 
 
 def _margin_by_plain_decoding(engine, cache, query: str, margin_tokens: int) -> str:
-    """A margin written the plain way: instruction after the cache's end, greedy decoding, cut off."""
-    from engine.generate import Runner
+    """A margin written the plain way: instruction after the cache's end, greedy decoding (stopped at a loop),
+    cut off; a note that says there is nothing relevant is kept as no note."""
+    from engine.classify import says_nothing
+    from engine.generate import DecodeResult, Runner
     runner = Runner(engine.lm.model, engine.lm.tokenizer, engine.lm.device)
     end = cache.length
     logits = runner.prefill(engine.layout.suffix("margin", query=query), cache)
-    text = "".join(piece for _, piece in runner.decode(cache, logits, margin_tokens)).strip()
+    result = DecodeResult()
+    list(runner.decode(cache, logits, margin_tokens, result=result))
     cache.truncate(end)
-    return text
+    text = result.text.strip()
+    return "" if says_nothing(text) else text
 
 
 @pytest.fixture(scope="module")

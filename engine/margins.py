@@ -1,0 +1,347 @@
+"""Margin writers: the note written from the cache after each segment, then cut off again.
+
+- `extractive` (the default): the note is either nothing ("nothing relevant here") or one to three sentences
+  copied verbatim from the segment just read. The model chooses them from the cache, but under a constraint:
+  at each step only the tokens that continue a copy of one of the segment's sentences (a trie over their token
+  ids), or that end the note, may be chosen. Faithful by construction; and fast, because a step is needed only
+  where the trie branches: once the choice is unique, the rest of the sentence is fed in one forward pass.
+- `scored`: the same kind of note, chosen another way: every sentence of the segment is a scratch row after the
+  instruction, all scored in masked forward passes (length-normalised log-probability); the best ones that
+  beat the "nothing" marker are copied. No token-by-token choice at all, but it prefills the segment again.
+- `abstractive`: free generation (the paper's margins), stopped on a repeated n-gram.
+
+Relevance costs no second prompt: at the note's first step the model puts some probability on the "nothing"
+marker and the rest on starting a copy; the latter is the margin's relevance score (classifier `margin`).
+
+The tokens of a note live in scratch room after the document: `Scratch` feeds them there (for a new question's
+margins, positioned after an earlier boundary and masked to see only the cache up to it) and cuts them off.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .classify import says_nothing
+from .generate import DecodeResult, pick_token
+
+MARGIN_STYLES = ("extractive", "scored", "abstractive")
+MARKER = "NONE"                                   # what the prompts ask for when a part has nothing relevant
+MARKER_WORDS = ("NONE", "None", "NO", "No", "Nothing", "NOTHING")  # first tokens that mean the same
+MAX_PIECES = 3                                    # sentences in one extractive note
+ROW_CHUNK = 384                                   # scratch tokens per scoring pass (bounds the logits' memory)
+
+# Where a sentence ends (as engine/segment.py cuts), plus single line breaks for long pieces (tables, lists).
+_SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s)|\n[ \t]*\n")
+_LINE_BREAK = re.compile(r"\n")
+_WORD_CHAR = re.compile(r"\w")
+
+
+class Scratch:
+    """Tokens fed after the document for one note (instruction, then the note) and cut off afterwards.
+
+    While reading, they follow the document in the cache under plain causal attention. For a new question's
+    margins (`visible` set) they sit in spare room after the document, positioned after boundary `visible`, with
+    a mask that lets them see the cache up to there and the scratch tokens before them."""
+
+    def __init__(self, runner, cache, doc_end: int, visible: int | None, stop, dtype: torch.dtype):
+        self.runner, self.cache, self.doc_end, self.stop, self.dtype = runner, cache, doc_end, stop, dtype
+        self.visible = visible
+
+    @property
+    def fed(self) -> int:
+        return self.cache.length - self.doc_end
+
+    @property
+    def position(self) -> int:
+        """The position the next scratch token takes."""
+        return (self.doc_end if self.visible is None else self.visible) + self.fed
+
+    def _mask(self, rows: list[int]) -> torch.Tensor | None:
+        """[1, 1, q, kv] additive mask for `rows` (token counts) fed as independent continuations of the scratch
+        so far, each seeing the visible document, the scratch and its own earlier tokens. None where plain causal
+        attention already says that (one row, no hidden document part)."""
+        if self.visible is None and len(rows) == 1:
+            return None
+        q = sum(rows)
+        kv = self.cache.length + q
+        mask = torch.full((q, kv), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.runner.device)
+        mask[:, :self.doc_end if self.visible is None else self.visible] = 0
+        mask[:, self.doc_end:self.cache.length] = 0
+        start = 0
+        for n in rows:
+            block = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+            mask[start:start + n, self.cache.length + start:self.cache.length + start + n].masked_fill_(block, 0)
+            start += n
+        return mask[None, None]
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Append `ids` to the scratch; the logits after the last one. Several tokens are metered as prefill; the
+        time of one token goes to decoding (who chose it counts it: Runner.decode, or the extractive writer)."""
+        t = time.perf_counter()
+        logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(ids)]),
+                                     position_start=self.position)
+        meter = self.runner.meter
+        if len(ids) == 1:
+            meter.decode_seconds += time.perf_counter() - t
+        else:
+            meter.prefill_tokens += len(ids)
+            meter.prefill_seconds += time.perf_counter() - t
+        return logits
+
+    def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
+        """Mean log-probability of each row of tokens as the continuation of the scratch so far (`first`: the
+        logits after it). The rows are fed in masked passes of up to ROW_CHUNK tokens and cut off again."""
+        base = self.cache.length
+        first_lp = torch.log_softmax(first.float(), dim=-1)
+        scores: list[float] = [0.0] * len(rows)
+        order = list(range(len(rows)))
+        while order:
+            batch, size = [], 0
+            while order and (not batch or size + len(rows[order[0]]) <= ROW_CHUNK):
+                batch.append(order.pop(0))
+                size += len(rows[batch[-1]])
+            ids = [t for i in batch for t in rows[i]]
+            positions = [self.position + j for i in batch for j in range(len(rows[i]))]
+            t = time.perf_counter()
+            logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(rows[i]) for i in batch]),
+                                         positions=positions, all_logits=True)
+            self.runner.meter.prefill_tokens += len(ids)
+            self.runner.meter.prefill_seconds += time.perf_counter() - t
+            self.cache.truncate(base)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            start = 0
+            for i in batch:
+                row = rows[i]
+                total = float(first_lp[row[0]])
+                for j in range(1, len(row)):
+                    total += float(lp[start + j - 1, row[j]])
+                scores[i] = total / len(row)
+                start += len(row)
+        return scores
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A sentence of the segment a note may copy: its text, where it is, and its tokens at the start of a note
+    (`ids`) and after another piece and a space (`ids_after`)."""
+    text: str
+    span: tuple[int, int]
+    ids: tuple[int, ...]
+    ids_after: tuple[int, ...]
+
+
+def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int) -> list[Piece]:
+    """The segment text[start:end] cut into sentences of at most `max_tokens` tokens (a longer one is cut at
+    line breaks, then between words), stripped of surrounding white space; only pieces with a word in them."""
+    spans, cut = [], start
+    for m in _SENTENCE_END.finditer(text, start, end):
+        spans.append((cut, m.end()))
+        cut = m.end()
+    spans.append((cut, end))
+    out: list[Piece] = []
+
+    def add(a: int, b: int, depth: int = 0) -> None:
+        raw = text[a:b]
+        a += len(raw) - len(raw.lstrip())
+        b -= len(raw) - len(raw.rstrip())
+        if a >= b or not _WORD_CHAR.search(text, a, b):
+            return
+        piece = text[a:b]
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        if len(ids) > max_tokens:
+            if depth == 0 and "\n" in piece:
+                edges = [a, *(a + m.end() for m in _LINE_BREAK.finditer(piece)), b]
+            else:  # between words, about `max_tokens` tokens apart (a token is at least one character)
+                words = [a + m.start() for m in re.finditer(r"\s\S", piece)]
+                step = max(1, len(words) * max_tokens // (2 * len(ids)))
+                edges = [a, *words[step::step], b]
+                if len(edges) == 2:
+                    edges = [a, (a + b) // 2, b]
+            for x, y in zip(edges, edges[1:]):
+                add(x, y, depth + 1)
+            return
+        after = tokenizer.encode(" " + piece, add_special_tokens=False)
+        if tokenizer.decode(ids) != piece or tokenizer.decode(after) != " " + piece:
+            return  # a tokenizer that does not give the text back (normalising ones): not copyable exactly
+        out.append(Piece(piece, (a, b), tuple(ids), tuple(after)))
+
+    for a, b in spans:
+        add(a, b)
+    return out
+
+
+@dataclass
+class _Node:
+    children: dict[int, "_Node"] = field(default_factory=dict)
+    ends: list[int] = field(default_factory=list)     # pieces whose tokens end here
+    below: set[int] = field(default_factory=set)      # pieces whose tokens pass through here
+
+
+def _trie(pieces: list[Piece], after: bool) -> _Node:
+    root = _Node()
+    for i, p in enumerate(pieces):
+        node = root
+        node.below.add(i)
+        for t in (p.ids_after if after else p.ids):
+            node = node.children.setdefault(t, _Node())
+            node.below.add(i)
+        node.ends.append(i)
+    return root
+
+
+@dataclass
+class Note:
+    """A finished margin: its text, the spans it copied, relevance from the note itself, and how it ended."""
+    text: str
+    spans: tuple[tuple[int, int], ...] = ()
+    relevance: float | None = None      # P(copy) / (P(copy) + P(nothing)) at the first step
+    steps: int = 0                      # forward passes after the instruction
+    tokens: int = 0                     # tokens of the note
+    ending: str = "end"                 # end | nothing | limit | repeat
+
+
+class Extractive:
+    """Constrained copying (see the module's docstring)."""
+
+    def __init__(self, tokenizer, stop_ids: set[int], max_tokens: int, temperature: float = 0.0, generator=None,
+                 threshold: float = 0.5):
+        self.tokenizer, self.max_tokens, self.threshold = tokenizer, max_tokens, threshold
+        self.end_ids = set(stop_ids)
+        self.temperature, self.generator = temperature, generator
+        self.marker_ids = {tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
+
+    def _choose(self, logits: torch.Tensor, allowed: set[int]) -> int:
+        index = torch.tensor(sorted(allowed), device=logits.device)
+        return int(index[pick_token(logits[index], self.temperature, self.generator)])
+
+    def relevance(self, logits: torch.Tensor, starts: set[int]) -> tuple[float, set[int]]:
+        markers = self.marker_ids - starts
+        probs = torch.softmax(logits.float(), dim=-1)
+        copy = float(probs[sorted(starts)].sum()) if starts else 0.0
+        nothing = float(probs[sorted(markers)].sum())
+        return (copy / (copy + nothing) if copy + nothing > 0 else 0.0), markers
+
+    def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
+        """Yield the note's text as each piece is chosen; return the Note."""
+        logits = scratch.feed(instruction)
+        first, after = _trie(pieces, False), _trie(pieces, True)
+        used: list[int] = []
+        budget = self.max_tokens
+
+        def open_children(node: _Node) -> dict[int, _Node]:
+            return {t: c for t, c in node.children.items()
+                    if any(i not in used and len(pieces[i].ids_after) <= budget for i in c.below)}
+
+        starts = open_children(first)
+        relevance, _ = self.relevance(logits, set(starts))
+        # Copy or say nothing: decided on the whole probability of starting a copy against that of the marker
+        # (spread over many first tokens, a copy would lose a token-by-token argmax it should win).
+        if not starts or relevance < self.threshold:
+            return Note("", (), relevance, 0, 0, "nothing")
+        token = self._choose(logits, set(starts))
+        node, pending, steps, tokens = first, [], 0, 0
+        while True:
+            node = node.children[token]
+            pending.append(token)
+            while True:  # follow the trie while the choice is forced: those tokens need no step of their own
+                kids = open_children(node)
+                done = [i for i in node.ends if i not in used]
+                if done or len(kids) != 1:
+                    break
+                token, node = next(iter(kids.items()))
+                pending.append(token)
+            tokens += len(pending)
+            if done and not kids and (len(used) + 1 >= MAX_PIECES or not open_children(after)):
+                used.append(done[0])  # nothing left to choose: the note ends without another pass
+                yield self._streamed(pieces, used)
+                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
+            logits = scratch.feed(pending)
+            steps += 1
+            if len(pending) == 1:  # a choice the model made token by token: a decode step
+                scratch.runner.meter.decode_tokens += 1
+            pending = []
+            options = set(kids)
+            if done:
+                options |= self.end_ids
+                if len(used) + 1 < MAX_PIECES:
+                    budget_after = budget - len(pieces[done[0]].ids_after)
+                    nxt = {t for t, c in after.children.items()
+                           if any(i not in used and i != done[0] and len(pieces[i].ids_after) <= budget_after
+                                  for i in c.below)}
+                    options |= nxt - set(kids)
+            token = self._choose(logits, options)
+            if token in kids:
+                continue
+            used.append(done[0])
+            budget -= len(pieces[done[0]].ids_after)
+            yield self._streamed(pieces, used)
+            if token in self.end_ids:
+                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
+            node = after
+
+    @staticmethod
+    def _text(pieces: list[Piece], used: list[int]) -> str:
+        return " ".join(pieces[i].text for i in used)
+
+    @staticmethod
+    def _streamed(pieces: list[Piece], used: list[int]) -> str:
+        """The text the last chosen piece adds to the note."""
+        return (" " if len(used) > 1 else "") + pieces[used[-1]].text
+
+
+class Scored:
+    """Every sentence scored as a continuation of the instruction; the best that beat the marker are copied."""
+
+    def __init__(self, tokenizer, max_tokens: int, threshold: float = 0.5):
+        self.tokenizer, self.max_tokens, self.threshold = tokenizer, max_tokens, threshold
+        self.marker = tokenizer.encode(MARKER, add_special_tokens=False)
+        self.extractive = Extractive(tokenizer, set(), max_tokens)  # for the first-step relevance
+
+    def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
+        logits = scratch.feed(instruction)
+        relevance, _ = self.extractive.relevance(logits, {p.ids[0] for p in pieces})
+        if not pieces or relevance < self.threshold:
+            return Note("", (), relevance, 0, 0, "nothing")
+        scores = scratch.score_rows([list(p.ids) for p in pieces] + [self.marker], logits)
+        bar = scores[-1]
+        best = sorted((i for i in range(len(pieces)) if scores[i] > bar), key=lambda i: -scores[i])
+        used, budget = [], self.max_tokens
+        for i in best:
+            if len(used) < MAX_PIECES and len(pieces[i].ids_after) <= budget:
+                used.append(i)
+                budget -= len(pieces[i].ids_after)
+        used.sort()  # in the order of the text
+        if used:
+            yield " ".join(pieces[i].text for i in used)
+        return Note(" ".join(pieces[i].text for i in used), tuple(pieces[i].span for i in used), relevance,
+                    -(-sum(len(p.ids) for p in pieces) // ROW_CHUNK), sum(len(pieces[i].ids) for i in used),
+                    "end" if used else "nothing")
+
+
+class Abstractive:
+    """Free generation, stopped at the end of the turn, on a repeated n-gram, or at the token limit."""
+
+    def __init__(self, runner, max_tokens: int, temperature: float = 0.0, generator=None):
+        self.runner, self.max_tokens = runner, max_tokens
+        self.temperature, self.generator = temperature, generator
+        self.marker_ids = {runner.tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
+
+    def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
+        logits = scratch.feed(instruction)
+        markers = sorted(self.marker_ids)
+        relevance = 1.0 - float(torch.softmax(logits.float(), dim=-1)[markers].sum())
+        result, decoded = DecodeResult(), 0
+        for _, piece in self.runner.decode(scratch.cache, logits, self.max_tokens, scratch.stop, self.temperature,
+                                           self.generator, step=lambda t: scratch.feed([t]), result=result):
+            decoded += 1
+            if piece:
+                yield piece
+        text = result.text.strip()
+        if says_nothing(text):
+            return Note("", (), relevance, decoded, decoded, "nothing")
+        return Note(text, (), relevance, decoded, decoded, result.reason)
+
