@@ -283,6 +283,7 @@ def page_html(result: dict | None, page_no: int | None, pages_total: int | None,
     return (f'<div class="mg-page" data-page="{page_no}" data-focus="{focus:.3f}"><div class="mg-segview-head">'
             f'<span class="mg-segview-label">Page {page_no}{of}</span> the passage\'s characters highlighted'
             f'{"" if n else " (none found on this page)"}'
-            f'{f" · continues to p. {continues}" if continues and continues > page_no else ""}</div><div class="mg-page-scroll"><div class="mg-page-frame">'
+            f'{f" · continues to p. {continues}" if continues and continues > page_no else ""}</div>'
+            f'<div class="mg-page-scroll"><div class="mg-page-frame">'
             f'<img class="mg-page-img" data-page="{page_no}" alt="Page {page_no} of the PDF" width="{w}" '
             f'height="{h}" src="data:image/png;base64,{data}">{boxes}</div></div></div>')
