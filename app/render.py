@@ -199,9 +199,13 @@ def panel_html(panel: Panel) -> str:
         f'</div></div>'
         f'<div class="mg-progress-meta">{"".join(meta)}</div>'
         f'<div class="mg-map" aria-label="Reading map: one cell per segment">{"".join(cells)}</div>'
-        f'{legend}{selection}'
+        f'{legend}{selection}{KEYS_HELP if done_cards else ""}'
         f'<div class="mg-cards">{cards}</div></div>'
     )
+
+
+KEYS_HELP = ('<div class="mg-keys">Click a card to see its passage. Keys: <kbd>j</kbd>/<kbd>k</kbd> next/previous '
+             'margin · <kbd>r</kbd> relevant · <kbd>x</kbd> irrelevant · <kbd>o</kbd> open passage</div>')
 
 
 def _default_message(panel: Panel) -> str:

@@ -27,7 +27,9 @@ from engine.events import (Answer, AnswerToken, Margin, MarginToken, Notice, Seg
                            WindowStart)
 from engine.wim import DocumentTooLong, Engine, Reading, Settings
 
+from . import passage as passages
 from . import render, worker
+from .library import library_html
 from .ingest import IngestError, load_document
 from .render import AnswerView, Card, Panel, SegmentInfo
 from .storage import Store
@@ -95,6 +97,7 @@ class Service:
         self._lock = threading.Lock()
         # Finished readings' KV caches, one folder a session, beside the database (paths stored relative to it).
         self.data_dir = os.path.dirname(store.path)
+        self.pages = passages.PageImages()  # PDF pages, rendered on demand for the passage view
         worker.set_engine(engine)
 
     # ------------------------------------------------------------------ start-up
@@ -151,6 +154,7 @@ class Service:
             raise UserError(str(e)) from e
         doc_id = self.store.add_document(os.path.basename(path), doc.kind, doc.title, doc.text, doc.sha256,
                                          doc.page_starts)
+        self._keep_original(path, doc.kind, doc.sha256)
         return doc_id, doc.notices
 
     def _open(self, doc: dict, settings: Settings):
@@ -285,6 +289,12 @@ class Service:
                                           seg.pages, seg.tokens, label=label)
         else:
             segment = render.empty_segment()
+        self.store.mark_opened(session_id)
+        left_at = session.get("position")
+        if left_at is not None and 0 <= left_at < len(segments):
+            shown = self._passage(session, doc, segments, left_at)
+        else:
+            shown = {"text": passages.empty_passage(), "page": self._no_page(doc)}
         notice = ""
         if session["model"] and session["model"] != self.model:
             notice = (f"This reading was made with {session['model']}; this app now runs {self.model}. "
@@ -295,6 +305,7 @@ class Service:
             "document": self.document_html(session["document_id"], settings),
             "panel": render.panel_html(panel), "answers": render.answers_html(answers), "segment": segment,
             "resume": self.can_resume(session), "notice": notice,
+            "passage": shown["text"], "page": shown["page"], "position": left_at,
         }
 
     def delete(self, owner: str, session_id: str) -> bool:
@@ -324,6 +335,83 @@ class Service:
         with open(js, "w", encoding="utf-8") as f:
             json.dump(self.store.export_json(session_id, owner), f, ensure_ascii=False, indent=2)
         return [md, js]
+
+    # ------------------------------------------------------------------ passages and the library
+
+    def _original_path(self, sha256: str) -> str:
+        return os.path.join(self.data_dir, "files", sha256 + ".pdf")
+
+    def _keep_original(self, path: str, kind: str, sha256: str) -> None:
+        """Keep an uploaded PDF (by content hash, beside the database): its pages are drawn in the page tab."""
+        if kind != "pdf":
+            return
+        target = self._original_path(sha256)
+        if not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = target + ".part"
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, target)  # never a half-copied file under the final name
+
+    def _no_page(self, doc: dict | None) -> str:
+        if doc and doc["kind"] == "pdf":
+            return passages.page_html(None, None, None, "Open a passage to see its page here.")
+        return passages.page_html(None, None, None, "Pages show here for PDF documents; this one is "
+                                                    f"{doc['kind'].upper() if doc else 'not open'}.")
+
+    def passage(self, owner: str, session_id: str | None, index: int) -> dict:
+        """The passage of margin `index` (segment index): {"text": html, "page": html, "page_no": int | None}.
+        Remembers it as where the reader left off."""
+        session = self._session(owner, session_id)
+        doc = self.store.get_document(session["document_id"])
+        segments = self._segments_of(session, doc)
+        index = int(index)
+        if not 0 <= index < len(segments):
+            raise UserError(f"This reading has no segment {index + 1}.")
+        shown = self._passage(session, doc, segments, index)
+        self.store.mark_opened(session_id, index)
+        return shown
+
+    def _passage(self, session: dict, doc: dict, segments: list, index: int) -> dict:
+        seg = segments[index]
+        margin = next((m for m in self.store.margins(session["id"]) if m["segment_index"] == index), None)
+        spans = margin["spans"] if margin else []
+        text = passages.passage_html(doc["text"], doc["kind"], seg.char_start, seg.char_end, index, len(segments),
+                                     seg.pages, spans, margin["text"] if margin else None)
+        page, page_no = self._page(doc, seg, spans)
+        return {"text": text, "page": page, "page_no": page_no}
+
+    def _page(self, doc: dict, seg, spans) -> tuple[str, int | None]:
+        """The page tab for a passage: the page where it starts, its spans (or the segment) highlighted."""
+        starts = doc["page_starts"]
+        if doc["kind"] != "pdf" or not starts:
+            return self._no_page(doc), None
+        ranges = [(s, e) for s, e in spans if e > s] or [(seg.char_start, seg.char_end)]
+        page_no = passages.page_of(starts, ranges[0][0])
+        lo = starts[page_no - 1]
+        hi = starts[page_no] - 2 if page_no < len(starts) else len(doc["text"])  # pages are joined by "\n\n"
+        local = [(max(s, lo) - lo, min(e, hi) - lo) for s, e in ranges if s < hi and e > lo]
+        path = self._original_path(doc["sha256"])
+        if not os.path.exists(path):
+            return passages.page_html(None, None, None, "The original PDF of this document isn't kept here (it was "
+                                      "uploaded before pages were shown): upload it again to see its pages."), None
+        try:
+            result = self.pages.page(path, page_no, doc["text"][lo:hi], local)
+        except Exception as e:  # a damaged file on disk: say so, keep the text view
+            log.exception("rendering page %s of %s failed", page_no, path)
+            return passages.page_html(None, None, None, f"Page {page_no} couldn't be drawn: {e}"), None
+        last = passages.page_of(starts, max(e for _, e in ranges) - 1)
+        return passages.page_html(result, page_no, len(starts), continues=last), page_no
+
+    def library_html(self, owner: str, current: str | None = None) -> str:
+        rows = self.store.library(owner) if owner else []
+        with self._lock:
+            running = set(self._active) | set(self._waiting)
+        return library_html(rows, running, current)
+
+    def last_opened(self, owner: str) -> str | None:
+        """The session the reader had open last (where the app opens)."""
+        rows = self.store.library(owner) if owner else []
+        return rows[0]["id"] if rows else None
 
     # ------------------------------------------------------------------ marks
 
@@ -393,6 +481,8 @@ class Service:
             raise UserError(str(e)) from e
         session_id = self.store.create_session(owner, document_id, question, self.model, settings.to_dict(),
                                                len(reading.segments))
+        self.store.update_session(session_id, tokens=len(reading.doc.token_ids))
+        self.store.mark_opened(session_id)
         with self._lock:
             self._segments[session_id] = reading.segments
         self._enqueue(session_id)
@@ -408,6 +498,7 @@ class Service:
         if session["segments_read"] >= session["segments_total"]:
             raise UserError("This document has been read to the end already.")
         self._enqueue(session_id)
+        self.store.mark_opened(session_id)
         return session_id
 
     def waiting_panel(self, owner: str, session_id: str) -> str:

@@ -18,6 +18,7 @@ survives a crash of the app (or the machine).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import datetime
 import json
@@ -145,6 +146,16 @@ def m003_margin_spans(db: sqlite_utils.Database) -> None:
     db["margins"].add_column("spans", str)
 
 
+@migration
+def m004_session_library(db: sqlite_utils.Database) -> None:
+    # The library and "open where the reader left off": when the reader last opened the session (ISO time,
+    # NULL: never since it was created), the segment whose passage they last looked at (NULL: none), and the
+    # document's length in the session model's tokens (NULL for sessions made before this migration).
+    db["sessions"].add_column("opened", str)
+    db["sessions"].add_column("position", int)
+    db["sessions"].add_column("tokens", int)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -166,6 +177,44 @@ def _loads(value: str | None, default: Any) -> Any:
     return default if value is None else json.loads(value)
 
 
+def _spans_out(doc: dict, margin: dict) -> list[dict]:
+    """A margin's passages for the exports: offsets, pages and the text they cover. A margin that copied none
+    is quoted by its whole segment (`whole`: true), as the passage view highlights it."""
+    spans = margin["spans"] or []
+    whole = not spans
+    if whole:
+        spans = [(margin["char_start"], margin["char_end"])] if margin["char_end"] is not None else []
+    starts = doc.get("page_starts")
+    out = []
+    for start, end in spans:
+        item = {"start": start, "end": end, "text": doc["text"][start:end], "whole_segment": whole}
+        if starts:
+            item["page_start"] = bisect.bisect_right(starts, start)
+            item["page_end"] = bisect.bisect_right(starts, max(start, end - 1))
+        out.append(item)
+    return out
+
+
+QUOTE_CHARS = 600  # a whole segment quoted in the Markdown export is cut here
+
+
+def _quote(margin: dict) -> list[str]:
+    """Markdown blockquote of the margin's passage(s), with their pages."""
+    lines = []
+    for span in margin["spans"]:
+        text = " ".join(span["text"].split())
+        if span["whole_segment"] and len(text) > QUOTE_CHARS:
+            text = text[:QUOTE_CHARS].rsplit(" ", 1)[0] + " …"
+        if "page_start" in span:
+            pages = span["page_start"] if span["page_end"] == span["page_start"] else \
+                f"{span['page_start']}–{span['page_end']}"
+            text += f" (p. {pages})"
+        if lines:
+            lines.append(">")
+        lines.append("> " + text)
+    return lines
+
+
 # One write lock per database file, shared by every Store on that file in this process.
 _WRITE_LOCKS: dict[str, threading.Lock] = {}
 _WRITE_LOCKS_GUARD = threading.Lock()
@@ -182,7 +231,8 @@ def _write_lock(path: str) -> threading.Lock:
 class Store:
     """The app's database. Safe to share one instance across threads (see module docstring)."""
 
-    _SESSION_FIELDS = {"question", "model", "settings", "status", "segments_total", "segments_read", "cache_path"}
+    _SESSION_FIELDS = {"question", "model", "settings", "status", "segments_total", "segments_read", "cache_path",
+                       "opened", "position", "tokens"}
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.path.abspath(os.fspath(path))
@@ -298,8 +348,24 @@ class Store:
                 [owner]))
         return [self._session_row(r) for r in rows]
 
+    def library(self, owner: str) -> list[dict]:
+        """The owner's sessions for the library, last opened first (a session never opened counts as opened
+        when it was created), with its document's title/name/kind/pages, `kept` (finished margins with text
+        that the reader or the classifier keeps) and `answers_count`."""
+        with self._read() as db:
+            return list(db.query(
+                """SELECT s.id, s.document_id, s.question, s.model, s.status, s.segments_total, s.segments_read,
+                          s.created, s.updated, s.tokens, s.position, COALESCE(s.opened, s.created) AS opened,
+                          d.title, d.name AS document_name, d.kind, d.pages, d.chars,
+                          (SELECT count(*) FROM margins m WHERE m.session_id = s.id AND m.text != ''
+                              AND COALESCE(m.mark, m.verdict, 1) = 1) AS kept,
+                          (SELECT count(*) FROM answers a WHERE a.session_id = s.id) AS answers_count
+                   FROM sessions s JOIN documents d ON d.id = s.document_id
+                   WHERE s.owner = ? ORDER BY COALESCE(s.opened, s.created) DESC, s.rowid DESC""", [owner]))
+
     def update_session(self, id: str, **fields: Any) -> None:
-        """Set some of question/model/settings/status/segments_total/segments_read/cache_path; bumps `updated`."""
+        """Set some of question/model/settings/status/segments_total/segments_read/cache_path/opened/position/
+        tokens; bumps `updated`."""
         unknown = set(fields) - self._SESSION_FIELDS
         if unknown:
             raise ValueError(f"cannot update session fields {sorted(unknown)}")
@@ -310,6 +376,15 @@ class Store:
         fields["updated"] = _now()
         with self._write() as db:
             db["sessions"].update(id, fields)  # raises NotFoundError for an unknown id
+
+    def mark_opened(self, id: str, position: int | None = None) -> None:
+        """The reader opened this session now (and looked at segment `position`'s passage, if given).
+        Looking is not changing: `updated` stays as it is."""
+        with self._write() as db:
+            if position is None:
+                db.execute("UPDATE sessions SET opened = ? WHERE id = ?", [_now(), id])
+            else:
+                db.execute("UPDATE sessions SET opened = ?, position = ? WHERE id = ?", [_now(), int(position), id])
 
     def delete_session(self, id: str, owner: str) -> bool:
         """Delete the owner's session with its margins and answers; False if not theirs/absent."""
@@ -416,8 +491,9 @@ class Store:
             "created": session["created"],
             "updated": session["updated"],
             "margins": [
-                {k: m[k] for k in ("segment_index", "char_start", "char_end", "page_start",
-                                   "page_end", "text", "verdict", "score", "mark", "effective")}
+                {**{k: m[k] for k in ("segment_index", "char_start", "char_end", "page_start",
+                                      "page_end", "text", "verdict", "score", "mark", "effective")},
+                 "spans": _spans_out(doc, m)}
                 for m in self.margins(session_id)
             ],
             "answers": [
@@ -454,7 +530,7 @@ class Store:
                     head += " (reader)"
                 elif m["score"] is not None:
                     head += f" ({m['score']:.2f})"
-            out += [head, "", m["text"], ""]
+            out += [head, "", m["text"], "", *_quote(m), ""]
         out += ["## Settings", "", "```json", json.dumps(data["settings"], indent=2, sort_keys=True),
                 "```", ""]
         return "\n".join(out)

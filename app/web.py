@@ -17,6 +17,8 @@ from pathlib import Path
 import gradio as gr
 
 from . import render
+from .library import library_html
+from .passage import empty_passage, page_html
 from .service import Service, UserError
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,8 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                           info="Decides which margins look relevant; you can flip any of them.",
                                           elem_id="classifier")
                     gr.HTML(render.model_info_html(info, service.rates), js_on_load=None, elem_id="model-info")
-                with gr.Accordion("Your sessions", open=True, elem_id="sessions-box"):
+                with gr.Accordion("Library", open=True, elem_id="sessions-box"):
+                    library = gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library")
                     sessions = gr.Dropdown(choices=[], value=None, label="Reopen an earlier reading",
                                            elem_id="sessions", interactive=True)
                     with gr.Row():
@@ -113,29 +116,37 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                        elem_id="segment-view")
             with gr.Column(scale=7, min_width=420):
                 panel = gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"), elem_id="margin-panel")
+                with gr.Tabs(elem_id="passage-tabs"):
+                    with gr.Tab("Passage", id="passage-text-tab", elem_id="passage-text-tab"):
+                        passage_text = gr.HTML(empty_passage(), js_on_load=static_text("passage.js"),
+                                               elem_id="passage-text")
+                    with gr.Tab("Page", id="passage-page-tab", elem_id="passage-page-tab"):
+                        passage_page = gr.HTML(page_html(None, None, None), js_on_load=static_text("page.js"),
+                                               elem_id="passage-page")
                 with gr.Row(elem_id="answer-row"):
                     answer_btn = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
                     export_btn = gr.Button("Export", elem_id="export-btn", scale=1)
-                answers = gr.HTML(render.answers_html([]), js_on_load=None, elem_id="answers")
+                answers = gr.HTML(render.answers_html([]), js_on_load=static_text("answers.js"), elem_id="answers")
                 downloads = gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
                                     elem_id="downloads")
 
         settings_inputs = [seg_size, margin_len, answer_len, classifier]
         view_outputs = [session_state, doc_state, doc_info, question, seg_size, margin_len, answer_len, classifier,
-                        panel, answers, segment_view, resume_btn, notice]
+                        panel, answers, segment_view, resume_btn, notice, passage_text, passage_page]
 
         # ---------------------------------------------------------- helpers
 
         def blank_view():
             return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
                     render.empty_panel(), render.answers_html([]), render.empty_segment(),
-                    gr.update(visible=False), "")
+                    gr.update(visible=False), "", empty_passage(), page_html(None, None, None))
 
         def view_values(v: dict):
             s = v["settings"]
             return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
                     s.margin_tokens, s.answer_tokens, s.classifier, v["panel"], v["answers"], v["segment"],
-                    gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "")
+                    gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "",
+                    v["passage"], v["page"])
 
         def session_choices(owner, selected=None):
             return gr.update(choices=service.sessions(owner), value=selected)
@@ -156,12 +167,17 @@ def build(service: Service, secret: str) -> gr.Blocks:
             if not choices:
                 viewing.show(request, None)
                 return (owner, gr.update(choices=[], value=None), *blank_view())
-            newest = choices[0][1]
+            newest = service.last_opened(owner) or choices[0][1]  # where the reader left off
             viewing.show(request, newest)
             return (owner, gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
 
+        def refresh_library(owner, session_id):
+            return service.library_html(owner, session_id)
+
         demo.load(on_load, inputs=[browser], outputs=[browser, sessions, *view_outputs], api_visibility="private",
-                  show_progress="hidden")
+                  show_progress="hidden"
+                  ).then(refresh_library, inputs=[browser, session_state], outputs=[library], api_visibility="private",
+                         show_progress="hidden")
 
         def on_open(owner, session_id, request: gr.Request):
             if not session_id:
@@ -174,7 +190,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return (*(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
 
         sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
-                       concurrency_limit=None, show_progress="hidden")
+                       concurrency_limit=None, show_progress="hidden"
+                       ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                              api_visibility="private", show_progress="hidden")
 
         def on_delete(owner, session_id, request: gr.Request):
             try:
@@ -192,7 +210,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
             return (gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
 
         delete_btn.click(on_delete, inputs=[browser, session_state], outputs=[sessions, *view_outputs],
-                         api_visibility="private", concurrency_limit=None, show_progress="hidden")
+                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
+                         ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                                api_visibility="private", show_progress="hidden")
 
         # ---------------------------------------------------------- the document
 
@@ -260,12 +280,16 @@ def build(service: Service, secret: str) -> gr.Blocks:
                        api_visibility="private", concurrency_limit=None, show_progress="hidden"
                        ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
                                  concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
-                                 show_progress_on=[panel])
+                                 show_progress_on=[panel]
+                                 ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                                        api_visibility="private", show_progress="hidden")
         resume_btn.click(on_resume, inputs=[browser, session_state], outputs=[job_state, panel, notice, resume_btn],
                          api_visibility="private", concurrency_limit=None, show_progress="hidden"
                          ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
                                    concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
-                                   show_progress_on=[panel])
+                                   show_progress_on=[panel]
+                                   ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                                          api_visibility="private", show_progress="hidden")
 
         def on_stop(owner, session_id):
             try:
@@ -324,7 +348,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
                          ).success(answer_job, inputs=[browser, job_state],
                                    outputs=[answers, panel, sessions, resume_btn, notice], api_visibility="private",
                                    concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
-                                   show_progress_on=[answers])
+                                   show_progress_on=[answers]
+                                   ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                                          api_visibility="private", show_progress="hidden")
 
         def on_export(owner, session_id):
             try:
@@ -334,6 +360,72 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         export_btn.click(on_export, inputs=[browser, session_state], outputs=[downloads, notice],
                          api_visibility="private", concurrency_limit=None, show_progress="hidden")
+
+        # ---------------------------------------------------------- passages and the library
+
+        def on_passage(owner, session_id, evt: gr.EventData):
+            """A margin card, a map cell or an answer chip was clicked (or the open-passage key pressed)."""
+            data = getattr(evt, "_data", None) or {}
+            try:
+                index = int(data["index"])
+            except (KeyError, TypeError, ValueError):
+                return gr.skip(), gr.skip(), gr.skip()
+            if data.get("session") and data["session"] != session_id:
+                return gr.skip(), gr.skip(), gr.skip()  # a click on a panel that is being replaced
+            try:
+                shown = service.passage(owner, session_id, index)
+            except UserError as e:
+                return gr.skip(), gr.skip(), render.notice_html(str(e))
+            return shown["text"], shown["page"], ""
+
+        for source in (panel, answers):
+            source.select(on_passage, inputs=[browser, session_state], outputs=[passage_text, passage_page, notice],
+                          api_visibility="private", concurrency_limit=4, show_progress="hidden",
+                          trigger_mode="always_last")
+
+        # A new reading (or another one opened) shows in the library at once; the job's end refreshes it again.
+        session_state.change(refresh_library, inputs=[browser, session_state], outputs=[library],
+                             api_visibility="private", show_progress="hidden")
+
+        def on_library(owner, evt: gr.EventData, request: gr.Request):
+            """Open, continue (resume) or delete a reading from the library."""
+            data = getattr(evt, "_data", None) or {}
+            action, sid = data.get("action"), str(data.get("session") or "")
+            nothing = (None, gr.skip(), *(gr.skip() for _ in view_outputs))
+            try:
+                if action == "delete":
+                    service.delete(owner, sid)
+                    latest = service.last_opened(owner)
+                    if latest is None:
+                        viewing.show(request, None)
+                        return (None, gr.update(choices=[], value=None), *blank_view())
+                    sid, job = latest, None
+                elif action == "continue":
+                    service.start_resume(owner, sid)
+                    job = {"kind": "resume", "session_id": sid}
+                elif action == "open":
+                    job = None
+                else:
+                    return nothing
+                values = list(view_values(service.view(owner, sid)))
+            except UserError as e:
+                return (*nothing[:-len(view_outputs)], *(gr.skip() for _ in view_outputs[:-3]),
+                        render.notice_html(str(e)), gr.skip(), gr.skip())
+            viewing.show(request, sid)
+            if job:  # the panel waits for the engine; Resume is hidden while it runs
+                values[view_outputs.index(panel)] = service.waiting_panel(owner, sid)
+                values[view_outputs.index(resume_btn)] = gr.update(visible=False)
+            return (job, session_choices(owner, sid), *values)
+
+        library.click(on_library, inputs=[browser], outputs=[job_state, sessions, *view_outputs],
+                      api_visibility="private", concurrency_limit=None, show_progress="hidden"
+                      ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                             api_visibility="private", show_progress="hidden"
+                             ).then(read_job, inputs=[browser, job_state], outputs=stream_out,
+                                    api_visibility="private", concurrency_limit=1, concurrency_id=ENGINE,
+                                    show_progress="minimal", show_progress_on=[panel]
+                                    ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
+                                           api_visibility="private", show_progress="hidden")
 
         demo.unload(viewing.close)
 
