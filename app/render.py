@@ -340,6 +340,25 @@ def header_html(info: dict, startup_s: float | None = None) -> str:
     )
 
 
+def model_choice_label(m: dict) -> str:
+    """One line of the model picker: name · size · window · speed (as measured on this machine)."""
+    bits = [m["name"]]
+    if m.get("parameters"):
+        bits.append(f"{m['parameters'] / 1e9:.2f} B parameters" if m["parameters"] >= 1e9
+                    else f"{m['parameters'] / 1e6:,.0f} M parameters")
+    if m.get("file_bytes"):
+        bits.append(f"{m['file_bytes'] / 2**30:.2f} GB" if m["file_bytes"] >= 2**30
+                    else f"{m['file_bytes'] / 2**20:,.0f} MB")
+    if m.get("context_length"):
+        bits.append(f"{m['context_length']:,}-token window")
+    rates = m.get("rates")
+    if rates:
+        bits.append(f"writes ≈ {rates['decode']:,.1f} tok/s, reads ≈ {rates['prefill']:,.0f} tok/s")
+    else:
+        bits.append("speed not measured yet")
+    return " · ".join(bits)
+
+
 def model_info_html(info: dict, rates: dict | None = None) -> str:
     rows = [("Model", info.get("name")), ("Device", info.get("device")), ("Precision", info.get("dtype")),
             ("Attention", info.get("attention")),

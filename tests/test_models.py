@@ -113,3 +113,49 @@ def test_qwen_reads_a_short_document_end_to_end():
     assert [m.index for m in margins] == list(range(len(reading.segments))) and len(margins) >= 3
     assert all(m.text for m in margins)
     assert len(answers) == 1 and "bakery" in answers[0].text.lower(), answers[0].text
+
+
+def test_app_switches_models_once_and_keeps_each_session_with_its_model(engine, tmp_path):
+    """The picker's service side with real models and a real SQLite file: `embedded` and the same GGUF named by
+    path are two models to the app (two specs), so switching costs one small load."""
+    from app.service import Defaults, Service, UserError
+    from app.storage import Store
+    from engine import Engine
+
+    loads = []
+
+    def load(spec):
+        loads.append(spec)
+        return Engine.load(spec, device="cpu", dtype="fp32")
+
+    service = Service(engine, Store(tmp_path / "marginalia.db"),
+                      Defaults(segment_tokens=120, margin_tokens=6, answer_tokens=6, classifier="none"), load=load)
+    story = tmp_path / "story.txt"
+    story.write_text(STORY, encoding="utf-8")
+    doc = service.add_upload(str(story))
+    first = service.start_read("alice", doc, QUESTION, service.settings())
+    list(service.read_stream("alice", first))
+    assert [m["spec"] for m in service.models() if m["loaded"]] == ["embedded"]
+
+    gguf = str(models.embedded_gguf())
+    assert service.switch_model(gguf, warm_up=False) and not service.switch_model(gguf, warm_up=False)
+    assert loads == [gguf] and service.model == f"{models.EMBEDDED_GGUF} (GGUF)"
+    assert gguf in [m["spec"] for m in service.models() if m["loaded"]]
+    # The session read by the other model says so instead of mixing caches.
+    with pytest.raises(UserError, match=r"made with SmolLM2-135M-Instruct \(Q4_1 GGUF, embedded\).*pick"):
+        service.start_answer("alice", first, QUESTION)
+    assert "not mixed" in service.view("alice", first)["notice"]
+    second = service.start_read("alice", doc, QUESTION, service.settings())
+    list(service.read_stream("alice", second))
+    assert service.store.get_session(second, "alice")["model"] == service.model
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(models.embedded_gguf().read_bytes()[:5_000_000])
+    with pytest.raises(UserError, match="Could not load .*truncated"):
+        service.switch_model(str(cut), warm_up=False)
+    assert service.model == f"{models.EMBEDDED_GGUF} (GGUF)"  # a failed switch keeps the loaded model
+
+    assert service.switch_model("embedded", warm_up=False)
+    answer = list(service.answer_stream("alice", service.start_answer("alice", first, QUESTION)["session_id"],
+                                        QUESTION))
+    assert service.store.answers(first) and not any("notice" in u and u["notice"] for u in answer[:1])
