@@ -23,7 +23,7 @@ SLOW = 900_000  # ms: a 1.5B model on a shared 2-core CPU
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("marginalia-models")
-    app = AppServer(data, "--segment-tokens", "120", "--margin-tokens", "8", "--answer-tokens", "12",
+    app = AppServer(data, "--segment-tokens", "120", "--margin-tokens", "8", "--answer-tokens", "16",
                     "--classifier", "embedding", "--no-warm-up").start()
     yield app
     app.stop()

@@ -38,8 +38,8 @@ def test_gguf_file_path_reads_like_the_embedded_model(tmp_path):
         done = _cli(str(story), "--model", spec, *common)
         assert done.returncode == 0, done.stderr[-2000:]
         events = [json.loads(line) for line in done.stdout.splitlines()]
-        runs[spec] = ([e["text"] for e in events if e["kind"] == "margin"],
-                      [e["text"] for e in events if e["kind"] == "answer"])
+        runs[spec] = ([e["text"] for e in events if e["event"] == "margin"],
+                      [e["text"] for e in events if e["event"] == "answer"])
     (gguf_margins, gguf_answer), (embedded_margins, embedded_answer) = runs.values()
     assert len(gguf_margins) >= 3 and len(gguf_answer) == 1
     assert (gguf_margins, gguf_answer) == (embedded_margins, embedded_answer)
