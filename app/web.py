@@ -345,7 +345,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                         gr.skip(), render.notice_html(str(e)))
             info = service.engine.lm.info
             return (gr.update(choices=model_choices(service), value=service.engine.lm.spec),
-                    render.header_html(info), render.model_info_html(info, service.rates),
+                    render.header_html(info, picked=True), render.model_info_html(info, service.rates),
                     render.notice_html(f"{info['name']} is loaded ({info['load_seconds']:.1f} s); new readings "
                                        "use it.", "info"))
 
