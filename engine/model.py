@@ -202,13 +202,18 @@ def convert_embedded(target: Path | None = None) -> Path:
     return convert_gguf(embedded_gguf(), target or cache_dir() / "smollm2-135m-instruct")
 
 
+QWEN_FOLDER = "qwen2.5-coder-1.5b-instruct"
+
+
 def convert_qwen(target: Path | None = None) -> Path:
-    return convert_gguf(assemble_qwen(), target or cache_dir() / "qwen2.5-coder-1.5b-instruct")
+    return convert_gguf(assemble_qwen(), target or cache_dir() / QWEN_FOLDER)
 
 
 def gguf_cache_folder(gguf: Path) -> Path:
-    """A GGUF file's converted folder, keyed by its content: a renamed copy reuses it, an edited file does not."""
-    return cache_dir() / f"gguf-{sha256_of(gguf)[:16]}"
+    """A GGUF file's converted folder, keyed by its content: a renamed copy reuses it, an edited file does not
+    (and the assembled Qwen file, named by path, reuses the folder `qwen2.5-1.5b` converted)."""
+    digest = sha256_of(gguf)
+    return cache_dir() / (QWEN_FOLDER if digest == QWEN_SHA256 else f"gguf-{digest[:16]}")
 
 
 def resolve(spec: str) -> tuple[str, str]:
