@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ QUESTION = "Where did Mary move?"
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine", "read", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_gguf_file_path_reads_like_the_embedded_model(tmp_path):
