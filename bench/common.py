@@ -20,10 +20,11 @@ RESULTS = ROOT / "bench" / "results"
 BOOKS = SHARED / "books"
 
 
-def load_engine(device: str | None = None, dtype: str | None = None):
-    """The embedded model. dtype None: the engine's choice (fp32 on a CPU without bf16 matrix units)."""
+def load_engine(device: str | None = None, dtype: str | None = None, model: str = "embedded"):
+    """The embedded model unless `model` names another (anything `--model` takes). dtype None: the engine's choice
+    (fp32 on a CPU without bf16 matrix units)."""
     from engine import Engine
-    return Engine.load("embedded", device=device, dtype=dtype)
+    return Engine.load(model, device=device, dtype=dtype)
 
 
 # ---- documents ---------------------------------------------------------------------------------------------

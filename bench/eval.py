@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(cases run in an order that keeps the table balanced)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--model", default="embedded",
+                        help="`embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id (records are kept apart "
+                             "by model: the fingerprint names it)")
     args = parser.parse_args(argv)
     if args.quick:
         if args.out is None:
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         save_cases(args.dump_cases, cases)
         log(f"wrote {len(cases)} cases to {args.dump_cases}")
         return 0
-    engine = load_engine(args.device, args.dtype)
+    engine = load_engine(args.device, args.dtype, args.model)
     tok = engine.lm.tokenizer
     fp = fingerprint(engine, args)
     cases = read_cases(args.cases) if args.cases else generate_cases(tok, tasks, lengths, args)

