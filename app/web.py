@@ -32,6 +32,11 @@ CLASSIFIERS = [("The note itself (copied something or said nothing)", "margin"),
                ("None (keep every margin)", "none")]
 
 
+MARGIN_STYLES = [("Copied sentences (each links to its passage)", "extractive"),
+                 ("Copied sentences, chosen by scoring every sentence", "scored"),
+                 ("Free-form notes (may paraphrase or invent)", "abstractive")]
+
+
 def static_text(name: str) -> str:
     return (STATIC / name).read_text(encoding="utf-8")
 
@@ -114,6 +119,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
                     classifier = gr.Radio(CLASSIFIERS, value=d.classifier, label="Relevance classifier",
                                           info="Decides which margins look relevant; you can flip any of them.",
                                           elem_id="classifier")
+                    margin_style = gr.Radio(MARGIN_STYLES, value=d.margins, label="Margin notes",
+                                            info="Copied notes are quoted from the text, so each one can be checked.",
+                                            elem_id="margin-style")
                     model_info = gr.HTML(render.model_info_html(info, service.rates), js_on_load=None,
                                          elem_id="model-info")
                 with gr.Accordion("Library", open=True, elem_id="sessions-box"):
@@ -141,23 +149,28 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 downloads = gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
                                     elem_id="downloads")
 
-        settings_inputs = [seg_size, margin_len, answer_len, classifier]
+        settings_inputs = [seg_size, margin_len, answer_len, classifier, margin_style]
         view_outputs = [session_state, doc_state, doc_info, question, seg_size, margin_len, answer_len, classifier,
+                        margin_style,
                         panel, answers, segment_view, resume_btn, notice, passage_text, passage_page]
 
         # ---------------------------------------------------------- helpers
 
         def blank_view():
             return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                    render.empty_panel(), render.answers_html([]), render.empty_segment(),
+                    gr.skip(), render.empty_panel(), render.answers_html([]), render.empty_segment(),
                     gr.update(visible=False), "", empty_passage(), page_html(None, None, None))
 
         def view_values(v: dict):
             s = v["settings"]
             return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
-                    s.margin_tokens, s.answer_tokens, s.classifier, v["panel"], v["answers"], v["segment"],
+                    s.margin_tokens, s.answer_tokens, s.classifier, s.margins, v["panel"], v["answers"], v["segment"],
                     gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "",
                     v["passage"], v["page"])
+
+        def notice_only(message: str) -> tuple:
+            """view_outputs left as they are, but for the notice."""
+            return tuple(render.notice_html(message) if c is notice else gr.skip() for c in view_outputs)
 
         def session_choices(owner, selected=None):
             return gr.update(choices=service.sessions(owner), value=selected)
@@ -198,7 +211,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 viewing.show(request, session_id)
                 return values
             except UserError as e:
-                return (*(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
+                return notice_only(str(e))
 
         sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
                        concurrency_limit=None, show_progress="hidden"
@@ -211,7 +224,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                     raise UserError("No session is open.")
                 service.delete(owner, session_id)
             except UserError as e:
-                return (gr.skip(), *(gr.skip() for _ in view_outputs[:-1]), render.notice_html(str(e)))
+                return (gr.skip(), *notice_only(str(e)))
             choices = service.sessions(owner)
             if not choices:
                 viewing.show(request, None)
@@ -252,10 +265,11 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         # ---------------------------------------------------------- read, resume, stop
 
-        def on_read(owner, doc_id, text, segment_tokens, margin_tokens, answer_tokens, classifier_name,
+        def on_read(owner, doc_id, text, segment_tokens, margin_tokens, answer_tokens, classifier_name, margins_name,
                     request: gr.Request):
             try:
-                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name)
+                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name,
+                                            margins_name)
                 session_id = service.start_read(owner, doc_id, text, settings)
             except UserError as e:
                 return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)),
@@ -438,8 +452,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                     return nothing
                 values = list(view_values(service.view(owner, sid)))
             except UserError as e:
-                return (*nothing[:-len(view_outputs)], *(gr.skip() for _ in view_outputs[:-3]),
-                        render.notice_html(str(e)), gr.skip(), gr.skip())
+                return (*nothing[:-len(view_outputs)], *notice_only(str(e)))
             viewing.show(request, sid)
             if job:  # the panel waits for the engine; Resume is hidden while it runs
                 values[view_outputs.index(panel)] = service.waiting_panel(owner, sid)

@@ -68,7 +68,10 @@ def signature(text: str, settings: dict, page_starts, model: str) -> str:
 
 def settings_from(d: dict) -> Settings:
     fields = Settings.__dataclass_fields__
-    return Settings(**{k: v for k, v in (d or {}).items() if k in fields})
+    d = dict(d or {})
+    if d and "margins" not in d:
+        d["margins"] = "abstractive"  # saved before margins had a style: they were free-form (resume alike)
+    return Settings(**{k: v for k, v in d.items() if k in fields})
 
 
 def _reading(job: dict) -> Reading:

@@ -46,9 +46,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke test: one 600-token document, one repetition")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--sizes", default="4000,7200")
+    parser.add_argument("--styles", default=None,
+                        help="comma list of mode names' first words to run (plain, wim-abstractive, wim-extractive, "
+                             "wim-scored); default all")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     sizes = [600] if args.quick else [int(x) for x in args.sizes.split(",")]
+    styles = [st for st in STYLES if args.styles is None or st[0].split()[0] in args.styles.split(",")]
     reps = 1 if args.quick else args.reps
     engine = load_engine()
     tok = engine.lm.tokenizer
@@ -58,9 +62,9 @@ def main(argv=None) -> int:
         text = document(tok, size)
         base = Settings(segment_tokens=segment_tokens_for(text, tok, 4 if args.quick else 8),
                         margin_tokens=16 if args.quick else 64, answer_tokens=8 if args.quick else 32)
-        runs: dict[str, list[dict]] = {name: [] for name, _ in STYLES}
+        runs: dict[str, list[dict]] = {name: [] for name, _ in styles}
         for rep in range(reps):
-            order = STYLES[rep % len(STYLES):] + STYLES[:rep % len(STYLES)]
+            order = styles[rep % len(styles):] + styles[:rep % len(styles)]
             for name, fields in order:
                 runs[name].append(run_once(engine, text, QUERY, replace(base, **fields)))
                 print(f"[{time.perf_counter() - started:6.0f} s] {size} tokens, {name}: "
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
     rows = []
     for size, r in results.items():
         plain = median([x["seconds"] for x in r["runs"]["plain"]])
-        for name, _ in STYLES:
+        for name, _ in styles:
             xs = r["runs"][name]
             wall = median([x["seconds"] for x in xs])
             margins = xs[0]["margins"]
