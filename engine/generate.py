@@ -177,7 +177,13 @@ class Ending:
         gram = tuple(ids[-REPEAT_NGRAM:])
         if len(gram) == REPEAT_NGRAM:
             if gram in self.seen:
-                del ids[self.seen[gram] - REPEAT_NGRAM + 1:]  # keep the text before the repetition began
+                # Keep everything before the repetition began: from the n-gram's second coming, step back
+                # while the tokens still equal those one period earlier (the loop may have started sooner).
+                period = len(ids) - self.seen[gram]
+                start = len(ids) - REPEAT_NGRAM
+                while start - 1 - period >= 0 and ids[start - 1] == ids[start - 1 - period]:
+                    start -= 1
+                del ids[start:]
                 self.result.reason = "repeat"
                 return None
             self.seen[gram] = len(ids)

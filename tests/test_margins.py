@@ -127,6 +127,8 @@ def test_free_form_decoding_stops_on_a_loop(engine):
     grams = [tuple(result.ids[i:i + REPEAT_NGRAM]) for i in range(len(result.ids) - REPEAT_NGRAM + 1)]
     assert len(grams) == len(set(grams))  # no 4-gram twice in what is kept
     assert len(result.ids) < 120
+    if result.reason == "repeat":  # the loop's first round is kept: the text goes on until the repeat begins
+        assert len(result.ids) >= REPEAT_NGRAM
 
 
 def test_stop_during_an_extractive_margin(engine):
@@ -168,3 +170,24 @@ def test_extractive_writer_never_copies_outside_the_pieces(engine):
         if note.text:
             assert note.text == " ".join(text[a:b] for a, b in note.spans)
             assert all(s in [p.span for p in pieces] for s in note.spans)
+
+
+def test_a_loop_keeps_its_first_round(engine):
+    """Text that starts to repeat itself ends right before the repetition: its first round is kept whole."""
+    from engine.generate import Ending
+    tok = engine.lm.tokenizer
+    result = DecodeResult()
+    ending = Ending(tok, result)
+    for token in tok.encode("Mary went to the garden. Mary went to the garden. Mary went", add_special_tokens=False):
+        if ending.add(token) is None:
+            break
+    ending.close()
+    # The second round starts with " Mary" where the first had "Mary" (another token): cut there.
+    assert result.reason == "repeat" and result.text == "Mary went to the garden. Mary"
+    result = DecodeResult()
+    ending = Ending(tok, result)
+    for token in tok.encode(" the end of the end of the end of", add_special_tokens=False):
+        if ending.add(token) is None:
+            break
+    ending.close()
+    assert result.reason == "repeat" and result.text == " the end of"
