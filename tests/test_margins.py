@@ -176,18 +176,18 @@ def test_a_loop_keeps_its_first_round(engine):
     """Text that starts to repeat itself ends right before the repetition: its first round is kept whole."""
     from engine.generate import Ending
     tok = engine.lm.tokenizer
-    result = DecodeResult()
-    ending = Ending(tok, result)
-    for token in tok.encode("Mary went to the garden. Mary went to the garden. Mary went", add_special_tokens=False):
-        if ending.add(token) is None:
-            break
-    ending.close()
+
+    def written(text: str) -> DecodeResult:
+        result = DecodeResult()
+        ending = Ending(tok, result)
+        for token in tok.encode(text, add_special_tokens=False):
+            if ending.add(token) is None:
+                break
+        ending.close()
+        return result
+
     # The second round starts with " Mary" where the first had "Mary" (another token): cut there.
-    assert result.reason == "repeat" and result.text == "Mary went to the garden. Mary"
-    result = DecodeResult()
-    ending = Ending(tok, result)
-    for token in tok.encode(" the end of the end of the end of", add_special_tokens=False):
-        if ending.add(token) is None:
-            break
-    ending.close()
-    assert result.reason == "repeat" and result.text == " the end of"
+    first = written("Mary went to the garden. Mary went to the garden. Mary went")
+    assert first.reason == "repeat" and first.text == "Mary went to the garden. Mary"
+    tight = written(" the end of the end of the end of")
+    assert tight.reason == "repeat" and tight.text == " the end of"
