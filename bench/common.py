@@ -68,14 +68,14 @@ def segment_tokens_for(text: str, tokenizer, segments: int) -> int:
 def fixed_length(*runners):
     """Decode every margin and answer to its full length (no stop token): every row then decodes exactly the
     same number of tokens, so a wall-time ratio compares reading patterns, not where the model chose to stop."""
-    saved = [r.stop_ids for r in runners]
+    saved = [(r.stop_ids, r.early_stops) for r in runners]
     for r in runners:
-        r.stop_ids = set()
+        r.stop_ids, r.early_stops = set(), False  # nor a loop or a paragraph's end
     try:
         yield
     finally:
-        for r, ids in zip(runners, saved):
-            r.stop_ids = ids
+        for r, (ids, early) in zip(runners, saved):
+            r.stop_ids, r.early_stops = ids, early
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------

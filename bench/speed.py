@@ -62,7 +62,10 @@ def document(tokenizer, tokens: int) -> str:
 
 def settings_for(tokenizer, text: str, cfg: Config) -> dict:
     return dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,
-                answer_tokens=cfg.answer_tokens, classifier="llm", temperature=0.0)
+                answer_tokens=cfg.answer_tokens, classifier="llm", temperature=0.0,
+                # The reading patterns compared here all write free-form notes, decoded to full length
+                # (extractive notes and their cost: bench/margin_styles.py).
+                margins="abstractive")
 
 
 # ---- worker process: one mode, one document size ----------------------------------------------------------------

@@ -69,6 +69,7 @@ class Runner:
 
     The backend seam: engine/remote.py has a RemoteRunner with the same methods (new_cache, prefill, decode,
     token_probabilities, drain) over a server's completions API; the WiM loop uses only these."""
+    early_stops = True  # free-form text ends at a loop or a paragraph; off: only end tokens and max_tokens
 
     def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None):
         self.model = model
@@ -137,7 +138,7 @@ class Runner:
         loop: the repeated tail is left out of `result`) and, with `paragraph`, at the end of the first
         paragraph (a blank line: a short answer is over; a list, one item a line, is not). `result` receives the kept tokens, their text and the reason it ended."""
         result = result if result is not None else DecodeResult()
-        ending = Ending(self.tokenizer, result, paragraph)
+        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
         for i in range(max_tokens):
             token = pick_token(logits, temperature, generator)
             if token in self.stop_ids:
@@ -164,8 +165,8 @@ class Ending:
     a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped) or, with `paragraph`, a blank line after
     some text. `add` returns the new text to show, or None once the text is over; `close` fills `result`."""
 
-    def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False):
-        self.tokenizer, self.result, self.paragraph = tokenizer, result, paragraph
+    def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True):
+        self.tokenizer, self.result, self.paragraph, self.repeat = tokenizer, result, paragraph, repeat
         self.ids: list[int] = []
         self.text = ""
         self.seen: dict[tuple[int, ...], int] = {}
@@ -175,7 +176,7 @@ class Ending:
         ids = self.ids
         ids.append(token)
         gram = tuple(ids[-REPEAT_NGRAM:])
-        if len(gram) == REPEAT_NGRAM:
+        if self.repeat and len(gram) == REPEAT_NGRAM:
             if gram in self.seen:
                 # Keep everything before the repetition began: from the n-gram's second coming, step back
                 # while the tokens still equal those one period earlier (the loop may have started sooner).

@@ -218,7 +218,7 @@ class Extractive:
         self.marker_ids = {tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
 
     def _choose(self, logits: torch.Tensor, allowed: set[int]) -> int:
-        index = torch.tensor(sorted(allowed), device=logits.device)
+        index = torch.tensor(sorted(allowed), dtype=torch.long, device=logits.device)
         return int(index[pick_token(logits[index], self.temperature, self.generator)])
 
     def relevance(self, logprobs: torch.Tensor, starts: set[int]) -> float:
@@ -271,6 +271,10 @@ class Extractive:
                            if any(i not in used and i != done[0] and len(pieces[i].ids_after) <= budget_after
                                   for i in c.below)}
                     options |= nxt - set(kids)
+            if not options:  # a finished piece with no way to go on or to end (no end tokens: fixed-length runs)
+                used.append(done[0])
+                yield self._streamed(pieces, used)
+                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
             logits = scratch.feed(pending, options)
             steps += 1
             if len(pending) == 1:  # a choice the model made token by token: a decode step

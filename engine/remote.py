@@ -211,6 +211,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 class RemoteRunner:
     """Runner's interface over a server: prefill lays ids down, decode and token_probabilities send requests."""
+    early_stops = True  # as Runner's
 
     def __init__(self, server: RemoteModel, meter: Meter | None = None):
         self.server = server
@@ -260,7 +261,7 @@ class RemoteRunner:
         if temperature > 0:
             body["seed"] = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         result = result if result is not None else DecodeResult()
-        ending = Ending(self.tokenizer, result, paragraph)
+        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
         usage: dict = {}
         started = time.perf_counter()
         first_token_at = None

@@ -147,7 +147,8 @@ def test_cli_reads_through_the_server(server, tmp_path, capsys):
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     stats = [e for e in events if e["event"] == "stats"]
     assert [s["phase"] for s in stats] == ["read", "answer"]
-    assert stats[0]["requests"] == 2 * sum(e["event"] == "margin" for e in events) > 0
+    # Extractive notes (the default): a request where a note's sentence trie branches, at least one a note.
+    assert stats[0]["requests"] >= sum(e["event"] == "margin" for e in events) > 0
     assert stats[0]["cached_tokens"] > 0 and 0 < stats[0]["reuse"] < 1
     assert main(["read", str(doc), "--backend", "openai"]) == 2
     assert "--base-url" in capsys.readouterr().err
@@ -165,8 +166,11 @@ def test_an_evicted_prefix_is_flagged(server, remote):
         events.append(ev)
         if isinstance(ev, Margin) and ev.index == 0:
             server.reset_prefix_cache()
-    generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
-    assert len(generate) >= 3
-    assert [r.evicted for r in generate] == [False, True] + [False] * (len(generate) - 2)
-    assert generate[1].computed == generate[1].prompt_tokens  # nothing was left to reuse
+    # A margin's requests are reported after its Margin event: those after segment 1 was read came after the reset.
+    seg1 = next(i for i, e in enumerate(events) if e.kind == "segment" and e.index == 1)
+    before = [e for e in events[:seg1] if isinstance(e, ServerRequest)]
+    after = [e for e in events[seg1:] if isinstance(e, ServerRequest)]
+    assert before and len(after) >= 2 and not any(r.evicted for r in before)
+    assert after[0].evicted and after[0].computed == after[0].prompt_tokens  # nothing was left to reuse
+    assert not any(r.evicted for r in after[1:])
     assert [e for e in events if isinstance(e, Notice) and "evicted" in e.text]

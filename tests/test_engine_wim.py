@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_babilong_8k_end_to_end(engine):
 
 
 def test_stop_mid_margin_ends_within_one_forward(engine):
-    reading = engine.open(_chapter(), SMALL)
+    # Free-form notes, decoded token by token (a stop inside an extractive note: tests/test_margins.py).
+    reading = engine.open(_chapter(), replace(SMALL, margins="abstractive"))
     stop = threading.Event()
     events, after_stop = [], []
     for ev in reading.read("Where does Alice fall?", stop):

@@ -11,6 +11,7 @@ import pytest
 from engine import Answer, Margin, Settings
 from engine import model as models
 from tests.conftest import ROOT
+from tests.test_margins import assert_faithful
 
 # A short text with one fact in its second half, and a question only that fact answers.
 STORY = ("The lighthouse stood on a rock a mile from the shore, and every evening the keeper climbed its ninety "
@@ -112,7 +113,8 @@ def test_qwen_reads_a_short_document_end_to_end():
     margins = [e for e in events if isinstance(e, Margin)]
     answers = [e for e in events if isinstance(e, Answer)]
     assert [m.index for m in margins] == list(range(len(reading.segments))) and len(margins) >= 3
-    assert all(m.text for m in margins)
+    assert_faithful(reading, margins)  # extractive notes: copied from their own segment
+    assert any("bakery" in m.text for m in margins), [m.text for m in margins]
     assert len(answers) == 1 and "bakery" in answers[0].text.lower(), answers[0].text
 
 
@@ -133,7 +135,7 @@ def test_app_switches_models_once_and_keeps_each_session_with_its_model(engine, 
                       Defaults(segment_tokens=120, margin_tokens=6, answer_tokens=6, classifier="none"), load=load)
     story = tmp_path / "story.txt"
     story.write_text(STORY, encoding="utf-8")
-    doc = service.add_upload(str(story))
+    doc, _ = service.add_upload(str(story))
     first = service.start_read("alice", doc, QUESTION, service.settings())
     list(service.read_stream("alice", first))
     assert [m["spec"] for m in service.models() if m["loaded"]] == ["embedded"]
