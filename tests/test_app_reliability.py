@@ -171,6 +171,8 @@ def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
             survived.append(("margin", len(before["margins"]), len(after["margins"])))
             reopen_page(page, server)
             assert load.panel_state(page)["session"] == session_id
+            if len(after["margins"]) == total and not page.is_visible("#resume-btn"):
+                continue  # the kill came after the reading's end (copied notes are fast): nothing to resume
             page.click("#resume-btn")  # Resume continues where the saved margins end
             page.wait_for_function("() => ['reading', 'queued', 'done'].includes("
                                    "document.querySelector('#margin-panel .mg-panel').dataset.status)",
