@@ -138,7 +138,17 @@ def check_after_restart(server: AppServer, session_id: str, before: dict) -> dic
 
 
 def reopen_page(page, server: AppServer) -> None:
-    page.goto(server.url)
+    """Load the app afresh after a restart. The old page may be reloading itself as it finds the server back
+    (Gradio reconnects), which interrupts our navigation: then navigate again."""
+    from playwright.sync_api import Error as PlaywrightError
+    for attempt in range(3):
+        try:
+            page.goto(server.url)
+            break
+        except PlaywrightError as e:
+            if "interrupted by another navigation" not in str(e) or attempt == 2:
+                raise
+            time.sleep(1)
     page.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=120_000)
 
 
