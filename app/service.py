@@ -114,6 +114,8 @@ class Service:
         # Reopening a session shows it again; segmenting a novel costs seconds (3.2 s for pg1342 here).
         self._layouts: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
+        self._switched = threading.Condition(self._lock)  # a model switch has ended: queued jobs may begin
+        self._switching = False
         # Finished readings' KV caches, one folder a session, beside the database (paths stored relative to it).
         self.data_dir = os.path.dirname(store.path)
         self.pages = passages.PageImages()  # PDF pages, rendered on demand for the passage view
@@ -141,6 +143,10 @@ class Service:
         from engine.model import available_models
 
         current = self.engine.lm.spec
+        if not self.engine.lm.serial:  # a model server: it serves one model, and switching is done there
+            lm = self.engine.lm
+            return [{"spec": current, "name": lm.name, "parameters": None, "context_length": lm.context_length,
+                     "file_bytes": None, "rates": self.measured.get(current), "loaded": True}]
         reference = benchmarked_rates()
         out = []
         for choice in available_models(extra or current):
@@ -158,19 +164,27 @@ class Service:
         time; if the new one cannot be loaded the old one stays. UserError with the reason."""
         if spec == self.engine.lm.spec:
             return False
+        if not self.engine.lm.serial:
+            raise UserError("This app reads through a model server (--backend openai): switch the model there.")
         with self._lock:
-            if self._active:
+            if self._active or self._switching:
                 raise UserError("A reading or an answer is running: stop it (or wait) before switching models.")
+            self._switching = True  # on a model server several engine jobs run at once: hold the queued ones
         try:
-            engine = self._load(spec)
-        except (ValueError, RuntimeError, OSError) as e:
-            raise UserError(f"Could not load {spec}: {e}") from e
-        old, self.engine = self.engine, engine
-        self.model = engine.lm.name
-        worker.set_engine(engine)  # drops the readings cached for the old model
-        with self._lock:
-            self._segments.clear()  # segments are measured in the old model's tokens
-        del old
+            try:
+                engine = self._load(spec)
+            except (ValueError, RuntimeError, OSError) as e:
+                raise UserError(f"Could not load {spec}: {e}") from e
+            old, self.engine = self.engine, engine
+            self.model = engine.lm.name
+            worker.set_engine(engine)  # drops the readings cached for the old model
+            with self._lock:
+                self._segments.clear()  # segments are measured in the old model's tokens
+            del old
+        finally:
+            with self._lock:
+                self._switching = False
+                self._switched.notify_all()
         import gc
         gc.collect()
         self.rates = dict(self.measured.get(spec) or {"prefill": 400.0, "decode": 8.0})
@@ -514,6 +528,8 @@ class Service:
 
     def _begin(self, session_id: str, kind: str) -> threading.Event:
         with self._lock:
+            while self._switching:  # the job then finds the new model (read_stream/answer_stream say so)
+                self._switched.wait()
             if session_id in self._waiting:
                 self._waiting.remove(session_id)
             self._active[session_id] = kind
@@ -726,7 +742,8 @@ class Service:
                     self._learn_rates(ev)
                     complete = all(i in panel.cards for i in range(len(segments)))
                     status, panel.status = ("read", "done") if complete else ("stopped", "stopped")
-                self.store.update_session(sid, status=status)
+                reuse = {"server_prompt_tokens": sent, "server_cached_tokens": cached} if sent else {}
+                self.store.update_session(sid, status=status, **reuse)
                 self._end(sid)  # before the last update, so the sessions list no longer says "reading"
                 panel.message, panel.eta_s = "", None
                 yield {"panel": render.panel_html(panel), "resume": panel.status != "done", "sessions": True}

@@ -156,6 +156,14 @@ def m004_session_library(db: sqlite_utils.Database) -> None:
     db["sessions"].add_column("tokens", int)
 
 
+@migration
+def m005_session_server_reuse(db: sqlite_utils.Database) -> None:
+    # A reading through a model server (--backend openai): prompt tokens sent, and those the server reported
+    # found in its prefix cache. Their ratio is the reading's reuse rate. NULL: read by the local engine.
+    db["sessions"].add_column("server_prompt_tokens", int)
+    db["sessions"].add_column("server_cached_tokens", int)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -232,7 +240,7 @@ class Store:
     """The app's database. Safe to share one instance across threads (see module docstring)."""
 
     _SESSION_FIELDS = {"question", "model", "settings", "status", "segments_total", "segments_read", "cache_path",
-                       "opened", "position", "tokens"}
+                       "opened", "position", "tokens", "server_prompt_tokens", "server_cached_tokens"}
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.path.abspath(os.fspath(path))
@@ -365,7 +373,7 @@ class Store:
 
     def update_session(self, id: str, **fields: Any) -> None:
         """Set some of question/model/settings/status/segments_total/segments_read/cache_path/opened/position/
-        tokens; bumps `updated`."""
+        tokens/server_prompt_tokens/server_cached_tokens; bumps `updated`."""
         unknown = set(fields) - self._SESSION_FIELDS
         if unknown:
             raise ValueError(f"cannot update session fields {sorted(unknown)}")

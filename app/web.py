@@ -2,11 +2,11 @@
 wires events to it.
 
 Events that run the model (read, resume, answer, switching the model, and the API's read/answer) share one
-concurrency group,
-"engine", limited to 1: there is one engine worker and everything else queues for it (Gradio tells a
-waiting browser its place in the queue). Each of them is split in two: a quick step that validates,
-creates or checks the session and sets up its stop flag (so Stop works even while the job is queued),
-then the engine step. Stop sets the session's threading.Event, which the engine checks before every
+concurrency group, "engine", limited to `worker.job_slots()`: 1 on a local model, which runs one forward pass
+at a time, so everything else queues for it (Gradio tells a waiting browser its place in the queue); several
+on a model server (--backend openai), which batches concurrent readings. Each of them is split in two: a
+quick step that validates, creates or checks the session and sets up its stop flag (so Stop works even while
+the job is queued), then the engine step. Stop sets the session's threading.Event, which the engine checks before every
 forward pass; Gradio's `cancels=` would only act between two yields.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from . import render
+from . import render, worker
 from .library import library_html
 from .passage import empty_passage, page_html
 from .service import Service, UserError
@@ -84,6 +84,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
     info = service.engine.lm.info
     d = service.defaults
     viewing = Viewing()
+    slots = worker.job_slots(service.engine)  # 1 on a local model; several on a model server
     with gr.Blocks(title="Marginalia") as demo:
         browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
         session_state = gr.State(None)   # the open session's id
@@ -93,10 +94,13 @@ def build(service: Service, secret: str) -> gr.Blocks:
         header = gr.HTML(render.header_html(info), js_on_load=None, elem_id="mg-header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=360):
+                local = service.engine.lm.serial  # a model server serves one model: switch it there
                 model_picker = gr.Dropdown(choices=model_choices(service), value=service.engine.lm.spec,
-                                           label="Model", elem_id="model-picker", interactive=True,
+                                           label="Model", elem_id="model-picker", interactive=local,
                                            info="Switching loads the new model once; a reading keeps the model "
-                                                "that wrote its margins.")
+                                                "that wrote its margins." if local else
+                                                "Served by a model server (--backend openai): readings run side by "
+                                                "side there.")
                 upload = gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
                                  height=120)
                 doc_info = gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info")
@@ -304,14 +308,14 @@ def build(service: Service, secret: str) -> gr.Blocks:
                        outputs=[job_state, session_state, panel, answers, segment_view, sessions, notice, resume_btn],
                        api_visibility="private", concurrency_limit=None, show_progress="hidden"
                        ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
-                                 concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                 concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
                                  show_progress_on=[panel]
                                  ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                         api_visibility="private", show_progress="hidden")
         resume_btn.click(on_resume, inputs=[browser, session_state], outputs=[job_state, panel, notice, resume_btn],
                          api_visibility="private", concurrency_limit=None, show_progress="hidden"
                          ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
-                                   concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                   concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
                                    show_progress_on=[panel]
                                    ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                           api_visibility="private", show_progress="hidden")
@@ -372,7 +376,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                          api_visibility="private", concurrency_limit=None, show_progress="hidden"
                          ).success(answer_job, inputs=[browser, job_state],
                                    outputs=[answers, panel, sessions, resume_btn, notice], api_visibility="private",
-                                   concurrency_limit=1, concurrency_id=ENGINE, show_progress="minimal",
+                                   concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
                                    show_progress_on=[answers]
                                    ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                           api_visibility="private", show_progress="hidden")
@@ -392,7 +396,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                        "use it.", "info"))
 
         model_picker.input(on_model, inputs=[model_picker], outputs=[model_picker, header, model_info, notice],
-                           api_visibility="private", concurrency_limit=1, concurrency_id=ENGINE,
+                           api_visibility="private", concurrency_limit=slots, concurrency_id=ENGINE,
                            show_progress="full", show_progress_on=[model_picker])
 
         def on_export(owner, session_id):
@@ -464,7 +468,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                       ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                              api_visibility="private", show_progress="hidden"
                              ).then(read_job, inputs=[browser, job_state], outputs=stream_out,
-                                    api_visibility="private", concurrency_limit=1, concurrency_id=ENGINE,
+                                    api_visibility="private", concurrency_limit=slots, concurrency_id=ENGINE,
                                     show_progress="minimal", show_progress_on=[panel]
                                     ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                            api_visibility="private", show_progress="hidden")
@@ -479,6 +483,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
 def add_api(service: Service) -> None:
     """/read and /answer for gradio_client. `owner` is any string the client keeps (sessions created with it
     belong to it); left empty, /read makes one up and returns it."""
+    slots = worker.job_slots(service.engine)
     with gr.Column(visible=False):
         a_file = gr.File(label="document", type="filepath")
         a_question = gr.Textbox(label="question")
@@ -497,6 +502,10 @@ def add_api(service: Service) -> None:
         return {
             "session_id": session_id, "owner": owner, "status": s["status"], "question": s["question"],
             "segments_total": s["segments_total"], "segments_read": s["segments_read"],
+            # Through a model server: prompt tokens sent for the reading, and the share found in its prefix cache.
+            "server_prompt_tokens": s.get("server_prompt_tokens"),
+            "server_cached_tokens": s.get("server_cached_tokens"),
+            "reuse": s["server_cached_tokens"] / s["server_prompt_tokens"] if s.get("server_prompt_tokens") else None,
             "margins": [{"segment": m["segment_index"], "pages": [m["page_start"], m["page_end"]]
                          if m["page_start"] is not None else None, "text": m["text"], "relevant": m["verdict"],
                          "score": m["score"], "mark": m["mark"]} for m in service.store.margins(session_id)],
@@ -538,9 +547,9 @@ def add_api(service: Service) -> None:
             raise gr.Error(str(e)) from e
 
     a_read.click(api_read, inputs=[a_file, a_question, a_seg, a_margin, a_answer, a_clf, a_owner], outputs=a_out,
-                 api_name="read", concurrency_limit=1, concurrency_id=ENGINE)
+                 api_name="read", concurrency_limit=slots, concurrency_id=ENGINE)
     a_ask.click(api_answer, inputs=[a_owner, a_session, a_question], outputs=a_out, api_name="answer",
-                concurrency_limit=1, concurrency_id=ENGINE)
+                concurrency_limit=slots, concurrency_id=ENGINE)
 
 
 def _plain(html_text: str) -> str:

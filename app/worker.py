@@ -33,10 +33,22 @@ log = logging.getLogger(__name__)
 
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
 MAX_READINGS = 2
+# Engine jobs that run at once on a model server (--backend openai): the server batches their requests, so
+# readings need not wait for each other. A local model runs one job at a time (one forward pass at a time, and
+# a KV cache of the whole context window each).
+SERVER_JOBS = max(1, int(os.environ.get("MARGINALIA_SERVER_JOBS", "4")))
 
 _engine: Engine | None = None
 _readings: "OrderedDict[str, tuple[str, Reading]]" = OrderedDict()
 _readings_lock = threading.Lock()
+_slots = threading.Condition()  # jobs running now, at most job_slots()
+_running = 0
+
+
+def job_slots(engine: Engine | None = None) -> int:
+    """How many engine jobs may run at once on this engine (the app's queue lets that many through)."""
+    engine = engine or _engine
+    return 1 if engine is None or engine.lm.serial else SERVER_JOBS
 
 
 def set_engine(engine: Engine) -> None:
@@ -83,7 +95,7 @@ def _reading(job: dict) -> Reading:
             _readings.move_to_end(sid)
             return hit[1]
         _readings.pop(sid, None)
-        while len(_readings) >= MAX_READINGS:
+        while len(_readings) >= max(MAX_READINGS, job_slots()):
             old, _ = _readings.popitem(last=False)
             log.info("dropping the cached reading of session %s", old)
     reading = _engine.open(job["text"], settings_from(job["settings"]), job["page_starts"])
@@ -167,6 +179,11 @@ def run(job: dict, stop: threading.Event) -> Iterator[Event]:
     """Drive engine_job for a request handler. Off ZeroGPU the engine sees `stop` itself (a Stop takes
     effect within one forward pass); on ZeroGPU the job runs in another process, so the handler stops
     taking events and closes the generator instead."""
+    global _running
+    with _slots:  # the queue admits job_slots() of the engine it was built for; the engine now loaded decides
+        while _running >= job_slots():
+            _slots.wait()
+        _running += 1
     events = engine_job(job, None if ZERO_GPU else stop)
     try:
         for ev in events:
@@ -176,3 +193,6 @@ def run(job: dict, stop: threading.Event) -> Iterator[Event]:
                 return
     finally:
         events.close()
+        with _slots:
+            _running -= 1
+            _slots.notify_all()

@@ -112,6 +112,7 @@ class RemoteModel:
     dtype: str = "server"
     attention: str = "server"
     serial: bool = False      # the server batches concurrent requests: readings need not wait for each other
+    spec: str = ""            # what the model was asked for (`embedded`, a folder, a hub id), as model.LoadedModel
     stop_ids: set = field(default_factory=set)
     _client: object = None
 
@@ -196,6 +197,7 @@ def load_remote(spec: str, base_url: str, block_tokens: int | None = None,
     server.served_name = served["id"]
     server.context_length = int(served.get("max_model_len") or tokenizer.model_max_length)
     server.name = f"{label} via {base_url}"
+    server.spec = spec
     server.stop_ids = _stop_ids(tokenizer, folder if os.path.isdir(folder) else None)
     server.load_seconds = time.perf_counter() - start
     return server

@@ -174,3 +174,66 @@ def test_an_evicted_prefix_is_flagged(server, remote):
     assert after[0].evicted and after[0].computed == after[0].prompt_tokens  # nothing was left to reuse
     assert not any(r.evicted for r in after[1:])
     assert [e for e in events if isinstance(e, Notice) and "evicted" in e.text]
+
+
+def test_two_app_sessions_read_through_the_server_at_once(server, tmp_path):
+    """The app on `--backend openai`: two API clients (two app sessions, two owners) read different documents
+    at the same time. The engine's queue lets both through (a local model would run them one after the other:
+    the second's first margin would come only after the first reading's end); both finish with a margin for
+    every segment, and each reports its own prefix-cache reuse."""
+    import time
+
+    from gradio_client import Client, handle_file
+
+    from tests.conftest import AppServer
+    server.reset_prefix_cache()
+    data = json.loads(shared("babilong", "babilong_8k.json").read_text())
+    text = data["context"]
+    docs = {}
+    for name, part in {"first": text[:len(text) // 2], "second": text[len(text) // 2:]}.items():
+        docs[name] = tmp_path / f"{name}.txt"
+        docs[name].write_text(part, encoding="utf-8")
+    app = AppServer(tmp_path / "data", "--backend", "openai", "--base-url", server.url, "--no-warm-up",
+                    log_path=tmp_path / "app.log").start()
+    try:
+        seen: dict[str, dict] = {}   # name -> {"first_margin": t, "done": t, "result": ...}
+        errors: list[BaseException] = []
+
+        def read(name: str) -> None:
+            try:
+                client = Client(app.url, verbose=False)
+                job = client.submit(handle_file(str(docs[name])), data["query"], 400, 24, 16, "margin", "",
+                                    api_name="/read")
+                times = seen[name] = {}
+                while not job.done():
+                    if "first_margin" not in times and any(o.get("segments_read", 0) >= 1 for o in job.outputs()):
+                        times["first_margin"] = time.monotonic()
+                    time.sleep(0.05)
+                times["result"] = job.result(timeout=900)
+                times["done"] = time.monotonic()
+                times.setdefault("first_margin", times["done"])
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(name,)) for name in docs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+        assert not errors, errors
+        first, second = sorted(seen.values(), key=lambda t: t["done"])
+        # Both were reading at once: the later one had a margin before the earlier one finished.
+        assert second["first_margin"] < first["done"], (first, second)
+        owners = set()
+        for name, times in seen.items():
+            result = times["result"]
+            owners.add(result["owner"])
+            assert result["status"] == "read", (name, result)
+            assert [m["segment"] for m in result["margins"]] == list(range(result["segments_total"]))
+            assert result["server_prompt_tokens"] > 0 and 0.3 < result["reuse"] < 1, (name, result)
+            print(f"\n{name}: {result['segments_total']} segments, {result['server_prompt_tokens']} prompt tokens "
+                  f"sent, reuse {result['reuse']:.1%}, {times['done'] - times['first_margin']:.1f} s after the "
+                  f"first margin")
+        assert len(owners) == 2
+    finally:
+        app.stop()
