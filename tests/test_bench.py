@@ -73,6 +73,15 @@ def test_eval_quick(tmp_path):
     (tmp_path / "eval.md").unlink()
     _run("bench.eval", tmp_path, "--cases", str(cases), "--report")
     assert (tmp_path / "eval.md").read_text() == md
+    # bench.relevance scores the classifiers on the same records: each WiM read's segments count once each.
+    from bench.relevance import reads, summarise
+    records = reads([tmp_path / "eval_cases.jsonl"])
+    segments = sum(r["segments"] for r in records)
+    summary = summarise(records, [0.5])
+    assert records and summary["segments"] == segments
+    for m in summary["classifiers"].values():
+        assert 0 <= m["precision"] <= 1 and 0 <= m["recall"] <= 1 and m["kept"] <= segments
+    assert summary["classifiers"]["none"]["kept"] == sum(bool(t) for r in records for t in r["margins"].values())
 
 
 def test_book_quick(tmp_path):
