@@ -45,13 +45,17 @@ def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
     assert [m.index for m in margins] == list(range(len(reading.segments)))
     assert len(reading.segments) >= 7
     # The requests of the read, in order: per segment the note's first step, the note, the classifier's yes/no.
-    generate = [e for e in events if isinstance(e, ServerRequest) and e.purpose == "generate"]
-    assert len(generate) == len(reading.segments)
-    assert all(r.cached_tokens is not None for r in generate), "start vLLM with --enable-prompt-tokens-details"
-    for seg, request in zip(reading.segments[1:], generate[1:]):
-        # The server computes the new segment and the instruction, plus at most one partly filled block.
-        assert request.computed <= seg.tokens + instruction + BLOCK_TOKENS, (seg.index, request)
-        assert not request.evicted
+    requests = [e for e in events if isinstance(e, ServerRequest)]
+    assert all(r.cached_tokens is not None for r in requests), "start vLLM with --enable-prompt-tokens-details"
+    first_steps = [r for r in requests if r.purpose == "margin step"]
+    generate = [r for r in requests if r.purpose == "generate"]
+    assert len(first_steps) == len(generate) == len(reading.segments)
+    for seg, step, note in zip(reading.segments[1:], first_steps[1:], generate[1:]):
+        # The first request after a segment carries it: the server computes the new segment and the
+        # instruction, plus at most one partly filled block; the note's request then finds all of that cached.
+        assert step.computed <= seg.tokens + instruction + BLOCK_TOKENS, (seg.index, step)
+        assert note.computed <= BLOCK_TOKENS + 1, (seg.index, note)
+        assert not step.evicted and not note.evicted
     read_stats = [e for e in events if isinstance(e, Stats)][-1]
     # Per segment: the note's first step (its relevance: P(NONE)), the note, the classifier's yes/no.
     assert read_stats.requests == 3 * len(reading.segments)
@@ -63,8 +67,9 @@ def test_babilong_8k_through_vllm_reuses_the_prefix(remote):
     # The answer prompt follows the whole document, which the margins' requests left in the server's cache.
     assert request.computed <= request.prompt_tokens - request.shared_prefix + BLOCK_TOKENS
     print(f"\nbabilong_8k via vLLM: {len(margins)} margins, answer {answer.text!r}; "
-          f"margin requests computed {[r.computed for r in generate]} of {[r.prompt_tokens for r in generate]} "
-          f"prompt tokens; read reuse {read_stats.reuse:.1%}")
+          f"segments {[seg.tokens for seg in reading.segments]} tokens (instruction {instruction}); the request "
+          f"after each computed {[r.computed for r in first_steps]} of {[r.prompt_tokens for r in first_steps]} "
+          f"prompt tokens, its note's {[r.computed for r in generate]}; read reuse {read_stats.reuse:.1%}")
 
 
 def test_extractive_margins_through_vllm(remote):
