@@ -35,6 +35,8 @@ from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none")
 MODES = (*WIM_MODES, "llm", "rag", "margins-only")
 ALIASES = {"wim": WIM_MODES}
+# margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
+MARGINS_ONLY_CLASSIFIER = "margin"
 LENGTHS = (4000, 7200)  # "4k" and "8k": 7.2k leaves the 8,192-token window room for 8 margins and the answer
 
 
@@ -164,14 +166,16 @@ class Evaluator:
                                          ending=answer.ending)
                 answered[tuple(chosen)] = out[mode]
             del reading
-        if "margins-only" in modes and "margins-only" not in stored and "llm" in read["verdicts"]:
+        judge = MARGINS_ONLY_CLASSIFIER if MARGINS_ONLY_CLASSIFIER in read["verdicts"] else "llm"  # older records
+        if "margins-only" in modes and "margins-only" not in stored and judge in read["verdicts"]:
             margins = {int(i): text for i, text in read["margins"].items()}  # stored JSON has string keys
-            # The notes WiM's default (LLM) classifier keeps: the same ones the wim-llm answer sees.
-            keep = sorted(int(i) for i, k in read["verdicts"]["llm"].items() if k and margins[int(i)])
+            # The notes WiM's default classifier keeps: the same ones the wim-<default> answer sees.
+            keep = sorted(int(i) for i, k in read["verdicts"][judge].items() if k and margins[int(i)])
             chosen = {i: margins[i] for i in keep}
             t = time.perf_counter()
             text = margins_only(self.engine, case.query, chosen, case.answer_tokens)
-            out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep)
+            out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep,
+                                               classifier=judge)
         for mode in ("llm", "rag"):
             if mode in modes and mode not in stored:
                 t = time.perf_counter()
@@ -272,8 +276,9 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         f"tokens, greedy decoding; seed {meta['seed']}. n = cases per cell.\n",
         "Scores: short answers by contained match (a gold answer's normalised words appear in the answer; "
         "exact matches count) with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
-        "bootstrap interval. wim-llm / wim-embedding / wim-none: WiM answering with the margins each classifier "
-        "keeps (none: all margins); margins-only: the wim-llm notes without the document.\n",
+        "bootstrap interval. wim-margin / wim-llm / wim-embedding / wim-none: WiM answering with the margins each "
+        "classifier keeps (margin: the note's own relevance; none: all margins); margins-only: the notes the "
+        f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document.\n",
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
