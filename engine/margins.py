@@ -196,6 +196,20 @@ def _trie(pieces: list[Piece], after: bool) -> _Node:
     return root
 
 
+def marker_ids(tokenizer) -> set[int]:
+    """The first tokens of the ways a note says "nothing relevant" (NONE, None, No, ...)."""
+    return {tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
+
+
+def first_step_relevance(logprobs: torch.Tensor, marker: set[int], starts: set[int] | None = None) -> float:
+    """The note's relevance from its first step: P(write) / (P(write) + P(say nothing)). `starts`: the tokens a
+    note can begin with (a copy's first tokens); None: any token but the marker's (a free-form note)."""
+    probs = logprobs.exp()
+    nothing = float(probs[sorted(marker - (starts or set()))].sum())
+    write = 1.0 - nothing if starts is None else float(probs[sorted(starts)].sum()) if starts else 0.0
+    return write / (write + nothing) if write + nothing > 0 else 0.0
+
+
 @dataclass
 class Note:
     """A finished margin: its text, the spans it copied, relevance from the note itself, and how it ended."""
@@ -215,18 +229,11 @@ class Extractive:
         self.tokenizer, self.max_tokens, self.threshold = tokenizer, max_tokens, threshold
         self.end_ids = set(stop_ids)
         self.temperature, self.generator = temperature, generator
-        self.marker_ids = {tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
+        self.marker_ids = marker_ids(tokenizer)
 
     def _choose(self, logits: torch.Tensor, allowed: set[int]) -> int:
         index = torch.tensor(sorted(allowed), dtype=torch.long, device=logits.device)
         return int(index[pick_token(logits[index], self.temperature, self.generator)])
-
-    def relevance(self, logprobs: torch.Tensor, starts: set[int]) -> float:
-        """P(start a copy) / (P(copy) + P(say nothing)) from the first step's log-probabilities."""
-        probs = logprobs.exp()
-        copy = float(probs[sorted(starts)].sum()) if starts else 0.0
-        nothing = float(probs[sorted(self.marker_ids - starts)].sum())
-        return copy / (copy + nothing) if copy + nothing > 0 else 0.0
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
         """Yield the note's text as each piece is chosen; return the Note."""
@@ -240,7 +247,7 @@ class Extractive:
 
         starts = open_children(first)
         logits = scratch.feed(instruction, set(starts) | self.marker_ids)
-        relevance = self.relevance(logits, set(starts))
+        relevance = first_step_relevance(logits, self.marker_ids, set(starts))
         # Copy or say nothing: decided on the whole probability of starting a copy against that of the marker
         # (spread over many first tokens, a copy would lose a token-by-token argmax it should win).
         if not starts or relevance < self.threshold:
@@ -306,12 +313,12 @@ class Scored:
     def __init__(self, tokenizer, max_tokens: int, threshold: float = 0.5):
         self.tokenizer, self.max_tokens, self.threshold = tokenizer, max_tokens, threshold
         self.marker = tokenizer.encode(MARKER, add_special_tokens=False)
-        self.extractive = Extractive(tokenizer, set(), max_tokens)  # for the first-step relevance
+        self.marker_ids = marker_ids(tokenizer)
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
         starts = {p.ids[0] for p in pieces}
-        logits = scratch.feed(instruction, starts | self.extractive.marker_ids)
-        relevance = self.extractive.relevance(logits, starts)
+        logits = scratch.feed(instruction, starts | self.marker_ids)
+        relevance = first_step_relevance(logits, self.marker_ids, starts)
         if not pieces or relevance < self.threshold:
             return Note("", (), relevance, 0, 0, "nothing")
         scores = scratch.score_rows([list(p.ids) for p in pieces] + [self.marker], logits)
@@ -336,11 +343,11 @@ class Abstractive:
     def __init__(self, runner, max_tokens: int, temperature: float = 0.0, generator=None):
         self.runner, self.max_tokens = runner, max_tokens
         self.temperature, self.generator = temperature, generator
-        self.marker_ids = {runner.tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS}
+        self.marker_ids = marker_ids(runner.tokenizer)
 
     def write(self, scratch: Scratch, instruction: list[int], pieces: list[Piece]) -> Iterator[str]:
         logits = scratch.feed(instruction, self.marker_ids)
-        relevance = 1.0 - float(logits[sorted(self.marker_ids)].exp().sum())
+        relevance = first_step_relevance(logits, self.marker_ids)
         # Reading: the note follows the cache's end, fed the plain way; a new question's margins (masked
         # scratch) feed each token through the scratch.
         step = None if scratch.visible is None else (lambda t: scratch.feed([t]))
