@@ -21,6 +21,11 @@ class Stopped(Exception):
 
 
 REPEAT_NGRAM = 4  # free-form text stops when its last 4 tokens already occurred in it: a loop has begun
+# Tokens per forward pass of a prefill. A pass's activations grow with its token count (hidden states and MLP
+# rows, and the [tokens x context] mask once the cache is not empty), so a long segment is fed in pieces of
+# this size and the memory beside weights and KV stays bounded whatever --segment-tokens says. 512 rows keep
+# the matmuls as efficient as longer passes (bench/speed.py row 4 measures prefill against the machine's matmul).
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -121,8 +126,10 @@ class Runner:
         return out.logits[0] if all_logits else out.logits[0, -1].float()
 
     def prefill(self, ids: list[int], cache, stop: threading.Event | None = None) -> torch.Tensor:
+        """Append `ids` to `cache` in passes of PREFILL_CHUNK tokens; the logits after the last one."""
         t = time.perf_counter()
-        logits = self.forward(ids, cache, stop)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.forward(ids[start:start + PREFILL_CHUNK], cache, stop)
         self.meter.prefill_seconds += time.perf_counter() - t
         self.meter.prefill_tokens += len(ids)
         return logits
