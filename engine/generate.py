@@ -109,10 +109,12 @@ class Runner:
     @torch.inference_mode()
     def forward(self, ids: list[int], cache, stop: threading.Event | None = None,
                 attention_mask: torch.Tensor | None = None, position_start: int | None = None,
-                positions: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
+                positions: list[int] | None = None, all_logits: bool = False,
+                keep: list[int] | None = None) -> torch.Tensor:
         """Append `ids` to `cache` at the next slots; return the logits of the last position (of every
-        position with `all_logits`). Positions run on from `position_start` (default: the cache length), or are
-        given one per token (`positions`: rows of scratch text that each start at the same position)."""
+        position with `all_logits`, of the positions listed in `keep`). Positions run on from `position_start`
+        (default: the cache length), or are given one per token (`positions`: rows of scratch text that each
+        start at the same position)."""
         if stop is not None and stop.is_set():
             raise Stopped()
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -121,9 +123,13 @@ class Runner:
             position_ids = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         else:
             position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        if keep is not None:  # the LM head only where asked: it costs more than a layer per position
+            to_keep = torch.tensor(keep, dtype=torch.long, device=self.device)
+        else:
+            to_keep = 0 if all_logits else 1
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                         attention_mask=attention_mask, logits_to_keep=0 if all_logits else 1)
-        return out.logits[0] if all_logits else out.logits[0, -1].float()
+                         attention_mask=attention_mask, logits_to_keep=to_keep)
+        return out.logits[0] if all_logits or keep is not None else out.logits[0, -1].float()
 
     def prefill(self, ids: list[int], cache, stop: threading.Event | None = None) -> torch.Tensor:
         """Append `ids` to `cache` in passes of PREFILL_CHUNK tokens; the logits after the last one."""
