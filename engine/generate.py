@@ -21,6 +21,11 @@ class Stopped(Exception):
 
 
 REPEAT_NGRAM = 4  # free-form text stops when its last 4 tokens already occurred in it: a loop has begun
+# Tokens per forward pass of a prefill. A pass's activations grow with its token count (hidden states and MLP
+# rows, and the [tokens x context] mask once the cache is not empty), so a long segment is fed in pieces of
+# this size and the memory beside weights and KV stays bounded whatever --segment-tokens says. 512 rows keep
+# the matmuls as efficient as longer passes (bench/speed.py row 4 measures prefill against the machine's matmul).
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -104,10 +109,12 @@ class Runner:
     @torch.inference_mode()
     def forward(self, ids: list[int], cache, stop: threading.Event | None = None,
                 attention_mask: torch.Tensor | None = None, position_start: int | None = None,
-                positions: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
+                positions: list[int] | None = None, all_logits: bool = False,
+                keep: list[int] | None = None) -> torch.Tensor:
         """Append `ids` to `cache` at the next slots; return the logits of the last position (of every
-        position with `all_logits`). Positions run on from `position_start` (default: the cache length), or are
-        given one per token (`positions`: rows of scratch text that each start at the same position)."""
+        position with `all_logits`, of the positions listed in `keep`). Positions run on from `position_start`
+        (default: the cache length), or are given one per token (`positions`: rows of scratch text that each
+        start at the same position)."""
         if stop is not None and stop.is_set():
             raise Stopped()
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -116,13 +123,19 @@ class Runner:
             position_ids = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         else:
             position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        if keep is not None:  # the LM head only where asked: it costs more than a layer per position
+            to_keep = torch.tensor(keep, dtype=torch.long, device=self.device)
+        else:
+            to_keep = 0 if all_logits else 1
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                         attention_mask=attention_mask, logits_to_keep=0 if all_logits else 1)
-        return out.logits[0] if all_logits else out.logits[0, -1].float()
+                         attention_mask=attention_mask, logits_to_keep=to_keep)
+        return out.logits[0] if all_logits or keep is not None else out.logits[0, -1].float()
 
     def prefill(self, ids: list[int], cache, stop: threading.Event | None = None) -> torch.Tensor:
+        """Append `ids` to `cache` in passes of PREFILL_CHUNK tokens; the logits after the last one."""
         t = time.perf_counter()
-        logits = self.forward(ids, cache, stop)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.forward(ids[start:start + PREFILL_CHUNK], cache, stop)
         self.meter.prefill_seconds += time.perf_counter() - t
         self.meter.prefill_tokens += len(ids)
         return logits

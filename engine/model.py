@@ -260,9 +260,11 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def pick_attention(device: torch.device) -> str:
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+    if device.type == "cuda":
+        # engine/attention.py's decode path was measured on CPU only; on a GPU the library's kernels stay.
+        return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+    from .attention import NAME  # importing registers it with transformers
+    return NAME
 
 
 def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | None = None) -> LoadedModel:

@@ -32,6 +32,7 @@ from .cache import key_rotation
 from .classify import Classifier, embed
 from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
 from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
+from .batch_scratch import BatchScratch
 from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .model import LoadedModel, load_model
 from .prompts import PromptLayout
@@ -320,6 +321,9 @@ class Reading:
                 elif len(windows) > 1:
                     yield from self._reread_window(window, stop, query, classifier)
                     continue
+                if self._margins_together():
+                    yield from self._write_margins_together(window, query, classifier, stop)
+                    continue
                 for index in window.segments:
                     visible = window.boundaries[index]
                     if hasattr(self.cache, "hide"):  # server backend: the prompt leaves out the later text
@@ -541,17 +545,8 @@ class Reading:
         the end of the cache (reading). An int: it sits in scratch room past the document, positioned after
         boundary `visible` and masked to see only the cache up to there (new-question margins)."""
         t = time.perf_counter()
-        s = self.settings
-        lm = self.engine.lm
-        instruction = self.layout.suffix(s.margin_prompt, query=query)
-        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
-        if s.margins == "extractive":
-            writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
-                                s.copy_threshold)
-        elif s.margins == "scored":
-            writer = Scored(lm.tokenizer, s.margin_tokens, s.copy_threshold)
-        else:
-            writer = Abstractive(self.runner, s.margin_tokens, s.temperature, self.generator)
+        instruction = self.layout.suffix(self.settings.margin_prompt, query=query)
+        writer, pieces = self._margin_writer(seg)
         with self.engine.lock:
             scratch = (self.runner.scratch(self.cache, self.doc_end, stop) if hasattr(self.runner, "scratch")
                        else Scratch(self.runner, self.cache, self.doc_end, visible, stop))
@@ -560,6 +555,27 @@ class Reading:
             finally:
                 # Cut the instruction and the note off: the cache is back at the end of the document.
                 self.cache.truncate(self.doc_end)
+        yield from self._file_margin(seg, note, query, classifier, stop, time.perf_counter() - t)
+
+    def _margin_writer(self, seg: Segment):
+        """(writer, pieces): the settings' margin writer, and the sentences of `seg` it may copy."""
+        s = self.settings
+        lm = self.engine.lm
+        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
+        if s.margins == "extractive":
+            writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
+                                s.copy_threshold)
+        elif s.margins == "scored":
+            writer = Scored(lm.tokenizer, s.margin_tokens, s.copy_threshold)
+        else:
+            writer = Abstractive(self.runner, s.margin_tokens, s.temperature, self.generator)
+        return writer, pieces
+
+    def _file_margin(self, seg: Segment, note: Note, query: str, classifier: Classifier, stop,
+                     seconds: float) -> Iterator[Event]:
+        """Decide a written note's relevance, keep it, and announce it."""
+        s = self.settings
+        with self.engine.lock:
             if s.classifier == "none":
                 relevant, score = None, note.relevance
             elif not note.text:
@@ -570,8 +586,41 @@ class Reading:
                 relevant, score = classifier(query, note.text, stop)
         score = None if score is None else round(score, 4)
         self.margins[seg.index] = MarginNote(seg.index, note.text, relevant, score, list(note.spans))
-        yield Margin(seg.index, note.text, relevant, score, note.tokens, round(time.perf_counter() - t, 4), seg.pages,
+        yield Margin(seg.index, note.text, relevant, score, note.tokens, round(seconds, 4), seg.pages,
                      note.spans, note.ending)
+
+    def _margins_together(self) -> bool:
+        """Whether remargin() may write a window's margins in one batch (engine/batch_scratch.py): the local
+        runner over the preallocated cache, a writer that decodes token by token (scored notes score rows of
+        their own), and greedy choice (sampling would draw from the shared generator in another order than
+        one margin after another, and the notes would differ from a fresh read's)."""
+        s = self.settings
+        return (not hasattr(self.runner, "scratch") and hasattr(self.cache, "evict") and s.margins != "scored"
+                and s.temperature <= 0)
+
+    def _write_margins_together(self, window: Window, query: str, classifier: Classifier, stop
+                                ) -> Iterator[Event]:
+        """The new question's margins at every boundary of `window` (in the cache), decoded together: as many
+        rows at once as the room after the document holds, one forward pass per step for all of them."""
+        s = self.settings
+        instruction = self.layout.suffix(s.margin_prompt, query=query)
+        # A row holds its instruction and at most its note (an extractive step may feed a few forced tokens
+        # past the budget's last choice: the slack).
+        per_row = len(instruction) + s.margin_tokens + 16
+        size = max(1, (self.limit - self.doc_end) // per_row)
+        indexes = window.segments
+        for k in range(0, len(indexes), size):
+            group = indexes[k:k + size]
+            t = time.perf_counter()
+            jobs = [(window.boundaries[i], *self._margin_writer(self.segments[i])) for i in group]
+            jobs = [(visible, writer, instruction, pieces) for visible, writer, pieces in jobs]
+            with self.engine.lock:
+                rows = BatchScratch(self.runner, self.cache, self.doc_end, stop).write(jobs)
+            seconds = (time.perf_counter() - t) / len(group)  # written together: each gets its share
+            for index, row in zip(group, rows):
+                for piece in row.pieces:
+                    yield MarginToken(index, piece)
+                yield from self._file_margin(self.segments[index], row.note, query, classifier, stop, seconds)
 
     def _rag_choice(self, query: str) -> set[int]:
         """Indexes of the top-k segments by MiniLM similarity to the query (the RAG baseline)."""

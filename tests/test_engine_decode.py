@@ -1,0 +1,72 @@
+"""engine/attention.py's decode path: the model uses it, and it gives what transformers' SDPA gives."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.attention import NAME, grouped_decode
+from engine.cache import make_cache
+from engine.generate import Runner
+from tests.conftest import TOLERANCE, shared
+
+
+def _tokens(engine, n: int) -> list[int]:
+    text = shared("books", "pg84.txt").read_text(encoding="utf-8")[20000:60000]
+    return engine.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:n]
+
+
+@contextlib.contextmanager
+def _attention(model, name: str):
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def test_cpu_models_load_with_the_decode_path(engine):
+    assert engine.lm.attention == NAME == engine.lm.model.config._attn_implementation
+
+
+def test_grouped_decode_equals_sdpa_on_the_cache(engine):
+    """The kernel alone, over the real cache's keys and values (views of the preallocated buffers), against the
+    library's SDPA with the key/value heads repeated: fp32 rounding only."""
+    model = engine.lm.model
+    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
+    cache = make_cache(model, 1024)
+    runner.prefill(ids, cache)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert cfg.num_attention_heads > cfg.num_key_value_heads  # grouped-query: the case worth checking
+    query = torch.randn(1, cfg.num_attention_heads, 1, head_dim, generator=torch.Generator().manual_seed(0))
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    with torch.inference_mode():
+        for layer in cache.layers[::7]:
+            keys, values = layer.keys[:, :, :cache.length], layer.values[:, :, :cache.length]
+            ours = grouped_decode(query, keys, values, head_dim ** -0.5)
+            theirs = torch.nn.functional.scaled_dot_product_attention(
+                query, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1),
+                scale=head_dim ** -0.5).transpose(1, 2)
+            assert ours.shape == theirs.shape
+            assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_decoding_with_it_equals_sdpa(engine):
+    """Whole decode steps: the next-token logits after 700 cached tokens agree within fp32 tolerance, and greedy
+    decoding picks the same 16 tokens."""
+    model = engine.lm.model
+    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
+    cache = make_cache(model, 1024)
+    logits = runner.prefill(ids[:-1], cache)
+    runs = {}
+    for name in (NAME, "sdpa"):
+        with _attention(model, name):
+            cache.truncate(len(ids) - 1)
+            step = runner.forward([ids[-1]], cache)
+            cache.truncate(len(ids) - 1)
+            tokens = [t for t, _ in runner.decode(cache, logits, 16)]
+        runs[name] = step, tokens
+    assert (runs[NAME][0] - runs["sdpa"][0]).abs().max().item() <= TOLERANCE["engine"]
+    assert runs[NAME][1] == runs["sdpa"][1] and len(runs[NAME][1]) == 16
