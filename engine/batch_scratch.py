@@ -53,6 +53,8 @@ class RowScratch:
         self.resume.wait()
         self.resume.clear()
         try:
+            if self.abort:  # the batch failed before this row's first turn: never start the writer
+                raise Stopped()
             gen = writer.write(self, instruction, pieces)
             while True:
                 try:
