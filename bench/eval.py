@@ -166,16 +166,17 @@ class Evaluator:
                                          ending=answer.ending)
                 answered[tuple(chosen)] = out[mode]
             del reading
-        judge = MARGINS_ONLY_CLASSIFIER if MARGINS_ONLY_CLASSIFIER in read["verdicts"] else "llm"  # older records
-        if "margins-only" in modes and "margins-only" not in stored and judge in read["verdicts"]:
+        verdicts = read["verdicts"] if read else {}
+        kept_by = MARGINS_ONLY_CLASSIFIER if MARGINS_ONLY_CLASSIFIER in verdicts else "llm"  # older records: llm
+        if "margins-only" in modes and "margins-only" not in stored and kept_by in verdicts:
             margins = {int(i): text for i, text in read["margins"].items()}  # stored JSON has string keys
             # The notes WiM's default classifier keeps: the same ones the wim-<default> answer sees.
-            keep = sorted(int(i) for i, k in read["verdicts"][judge].items() if k and margins[int(i)])
+            keep = sorted(int(i) for i, k in verdicts[kept_by].items() if k and margins[int(i)])
             chosen = {i: margins[i] for i in keep}
             t = time.perf_counter()
             text = margins_only(self.engine, case.query, chosen, case.answer_tokens)
             out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep,
-                                               classifier=judge)
+                                               classifier=kept_by)
         for mode in ("llm", "rag"):
             if mode in modes and mode not in stored:
                 t = time.perf_counter()
