@@ -58,8 +58,7 @@ def launch_kwargs() -> dict:
 class Viewing:
     """Which session each open tab shows (by Gradio's per-tab session hash). A reading streams into the panel
     of the tab that started it only while that tab still shows its session: if the reader opens another
-    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at,
-    and its updates of the sessions list keep the list on the session the tab shows.
+    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at.
 
     It also tells a pick in the sessions list from its echo: Gradio 6's Dropdown fires `input` twice for one
     pick with the mouse (when the option is chosen, then again on the blur that follows), and both requests
@@ -204,14 +203,45 @@ def build(service: Service, secret: str) -> gr.Blocks:
         def session_choices(owner, selected=None):
             return gr.update(choices=service.sessions(owner), value=selected)
 
-        def stream_outputs(update: dict, owner: str, session_id: str | None, showing: str | None):
-            """A reading's update for the tab that started it, which now shows `showing`."""
-            if showing != session_id:  # the tab shows another session now: only the sessions list and notices
-                update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
-            return (update.get("panel", gr.skip()), update.get("segment", gr.skip()),
-                    session_choices(owner, showing) if update.get("sessions") else gr.skip(),
-                    gr.update(visible=update["resume"]) if "resume" in update else gr.skip(),
-                    update.get("notice", gr.skip()))
+        def listed(owner):
+            """The sessions list's entries, with its selection left alone. A job's update of the list must not
+            set the selection: one computed just before the reader picked another session can reach the page
+            after that pick's own answer (Gradio keeps the order of one event's messages, not across events)."""
+            return gr.update(choices=service.sessions(owner))
+
+        def shown_now(owner, showing: str | None) -> dict:
+            """What the tab shows of its session now, for a job's repaint (see to_tab)."""
+            if showing is None:
+                return {"panel": render.empty_panel(), "segment": render.empty_segment(),
+                        "answers": render.answers_html([]), "resume": False}
+            try:
+                v = service.view(owner, showing)
+            except UserError:
+                return {}
+            return {k: v[k] for k in ("panel", "segment", "answers", "resume")}
+
+        def to_tab(updates, owner: str, session_id: str, request: gr.Request):
+            """A job's updates for the tab that started it: all of them while the tab shows the job's session,
+            only the sessions list and notices once it shows another. At that switch the job repaints what the
+            tab shows, once: its last update, painted just before the switch, may reach the page after the
+            opened session's own answer and would otherwise stay on screen."""
+            painted = False
+            try:
+                for update in updates:
+                    showing = viewing.showing(request, session_id)
+                    if showing != session_id:
+                        if painted:
+                            painted = False
+                            yield shown_now(owner, showing)
+                        update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
+                    else:
+                        painted = True
+                    yield update
+            finally:
+                updates.close()  # the page went away: the job's own clean-up runs now
+            showing = viewing.showing(request, session_id)
+            if painted and showing != session_id:
+                yield shown_now(owner, showing)
 
         # ---------------------------------------------------------- page load and sessions
 
@@ -326,8 +356,10 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return
             sid = job["session_id"]
             try:
-                for update in service.read_stream(owner, sid, resume=job["kind"] == "resume"):
-                    yield stream_outputs(update, owner, sid, viewing.showing(request, sid))
+                for u in to_tab(service.read_stream(owner, sid, resume=job["kind"] == "resume"), owner, sid, request):
+                    yield (u.get("panel", gr.skip()), u.get("segment", gr.skip()),
+                           listed(owner) if u.get("sessions") else gr.skip(),
+                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
 
@@ -391,12 +423,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return
             sid = job["session_id"]
             try:
-                for u in service.answer_stream(owner, sid, job["question"]):
-                    showing = viewing.showing(request, sid)
-                    if showing != sid:
-                        u = {k: v for k, v in u.items() if k in ("sessions", "notice")}
+                for u in to_tab(service.answer_stream(owner, sid, job["question"]), owner, sid, request):
                     yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
-                           session_choices(owner, showing) if u.get("sessions") else gr.skip(),
+                           listed(owner) if u.get("sessions") else gr.skip(),
                            gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
