@@ -171,21 +171,25 @@ def pick_by_keyboard(page, label_part: str) -> None:
     page.press("#sessions input", "Enter")
 
 
-def quick_picks(page, first: tuple[str, str], second: tuple[str, str], pairs: int = 3) -> tuple[int, int]:
+def quick_picks(page, first: tuple[str, str], second: tuple[str, str], pairs: int = 3) -> tuple[int, list[dict]]:
     """Pick one session and at once the other (about 0.1 s apart, so the first is still pending), `pairs` times
-    each way: the panel must end on the last pick. Returns (pairs made, pairs whose panel ended elsewhere)."""
-    lost = 0
+    each way: the panel must end on the last pick. Returns (pairs made, what the lost ones showed)."""
+    lost = []
     for _ in range(pairs):
         for (label_a, _), (label_b, session_b) in ((first, second), (second, first)):
+            started = time.time()
             pick_by_keyboard(page, label_a)
             pick_by_keyboard(page, label_b)
             try:
                 page.wait_for_function("() => document.querySelector('#margin-panel .mg-panel').dataset.session "
                                        f"=== {session_b!r}", timeout=10_000)
                 time.sleep(0.5)  # and it stays there
-                lost += panel_state(page)["session"] != session_b
             except Exception:  # Playwright's TimeoutError: the last pick never reached the panel
-                lost += 1
+                pass
+            shown = panel_state(page)["session"]
+            if shown != session_b:
+                lost.append({"at": started, "picked": session_b, "panel": shown,
+                             "list": page.input_value("#sessions input")})
     return 2 * pairs, lost
 
 
@@ -316,7 +320,8 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
         "idle_reopen_list_s": [round(x, 3) for x in idle_reopen_list_s],
         "idle_reopen_list_p95_s": p95(idle_reopen_list_s), "load_average": os.getloadavg(),
         "stale_selections": len(STALE_SELECTIONS),
-        "quick_picks": sum(n for n, _ in quick), "quick_picks_lost": sum(lost for _, lost in quick),
+        "quick_picks": sum(n for n, _ in quick), "quick_picks_lost": sum(len(lost) for _, lost in quick),
+        "quick_picks_lost_detail": [x for _, lost in quick for x in lost],
         "cross_session_asks": asked, "cross_session_refused": refused, "integrity_check": integrity,
     }
 
