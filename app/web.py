@@ -12,6 +12,8 @@ forward pass; Gradio's `cancels=` would only act between two yields.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -56,23 +58,49 @@ def launch_kwargs() -> dict:
 class Viewing:
     """Which session each open tab shows (by Gradio's per-tab session hash). A reading streams into the panel
     of the tab that started it only while that tab still shows its session: if the reader opens another
-    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at."""
+    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at.
+
+    It also tells a pick in the sessions list from its echo: Gradio 6's Dropdown fires `input` twice for one
+    pick with the mouse (when the option is chosen, then again on the blur that follows), and both requests
+    arrive within milliseconds. Only the first opens the session; the echo returns at once, so it neither
+    renders the session a second time nor stays pending (a pending `input` event is what a next pick waits
+    behind)."""
+
+    ECHO_S = 1.0  # the same session asked for again by the same tab within this long: the pick's echo
 
     def __init__(self):
         self._tabs: dict[str, str | None] = {}
+        self._picks: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
 
     def show(self, request: gr.Request | None, session_id: str | None) -> None:
         if request is not None and request.session_hash:
             self._tabs[request.session_hash] = session_id
+            with self._lock:  # shown by other means (Read, the library, ...): a pick of it is no echo
+                if self._picks.get(request.session_hash, (None,))[0] != session_id:
+                    self._picks.pop(request.session_hash, None)
 
-    def shows(self, request: gr.Request | None, session_id: str) -> bool:
+    def showing(self, request: gr.Request | None, session_id: str | None) -> str | None:
+        """The session this tab shows; `session_id` itself for a request from no known tab (the API)."""
+        if request is None or not request.session_hash:
+            return session_id
+        return self._tabs.get(request.session_hash, session_id)
+
+    def first_pick(self, request: gr.Request | None, session_id: str) -> bool:
+        """False for the echo of a pick this tab just made (see the class docstring)."""
         if request is None or not request.session_hash:
             return True
-        return self._tabs.get(request.session_hash, session_id) == session_id
+        now = time.monotonic()
+        with self._lock:
+            last = self._picks.get(request.session_hash)
+            self._picks[request.session_hash] = (session_id, now)
+        return not (last and last[0] == session_id and now - last[1] < self.ECHO_S)
 
     def close(self, request: gr.Request | None) -> None:
         if request is not None and request.session_hash:
             self._tabs.pop(request.session_hash, None)
+            with self._lock:
+                self._picks.pop(request.session_hash, None)
 
 
 def model_choices(service: Service) -> list[tuple[str, str]]:
@@ -179,13 +207,45 @@ def build(service: Service, secret: str) -> gr.Blocks:
         def session_choices(owner, selected=None):
             return gr.update(choices=service.sessions(owner), value=selected)
 
-        def stream_outputs(update: dict, owner: str, session_id: str | None, shown: bool = True):
-            if not shown:  # the tab shows another session now: only the sessions list and notices
-                update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
-            return (update.get("panel", gr.skip()), update.get("segment", gr.skip()),
-                    session_choices(owner, session_id) if update.get("sessions") else gr.skip(),
-                    gr.update(visible=update["resume"]) if "resume" in update else gr.skip(),
-                    update.get("notice", gr.skip()))
+        def listed(owner):
+            """The sessions list's entries, with its selection left alone. A job's update of the list must not
+            set the selection: one computed just before the reader picked another session can reach the page
+            after that pick's own answer (Gradio keeps the order of one event's messages, not across events)."""
+            return gr.update(choices=service.sessions(owner))
+
+        def shown_now(owner, showing: str | None) -> dict:
+            """What the tab shows of its session now, for a job's repaint (see to_tab)."""
+            if showing is None:
+                return {"panel": render.empty_panel(), "segment": render.empty_segment(),
+                        "answers": render.answers_html([]), "resume": False}
+            try:
+                v = service.view(owner, showing)
+            except UserError:
+                return {}
+            return {k: v[k] for k in ("panel", "segment", "answers", "resume")}
+
+        def to_tab(updates, owner: str, session_id: str, request: gr.Request):
+            """A job's updates for the tab that started it: all of them while the tab shows the job's session,
+            only the sessions list and notices once it shows another. At that switch the job repaints what the
+            tab shows, once: its last update, painted just before the switch, may reach the page after the
+            opened session's own answer and would otherwise stay on screen."""
+            painted = False
+            try:
+                for update in updates:
+                    showing = viewing.showing(request, session_id)
+                    if showing != session_id:
+                        if painted:
+                            painted = False
+                            yield shown_now(owner, showing)
+                        update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
+                    else:
+                        painted = True
+                    yield update
+            finally:
+                updates.close()  # the page went away: the job's own clean-up runs now
+            showing = viewing.showing(request, session_id)
+            if painted and showing != session_id:
+                yield shown_now(owner, showing)
 
         # ---------------------------------------------------------- page load and sessions
 
@@ -208,7 +268,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                          show_progress="hidden")
 
         def on_open(owner, session_id, request: gr.Request):
-            if not session_id:
+            if not session_id or not viewing.first_pick(request, session_id):
                 return tuple(gr.skip() for _ in view_outputs)
             try:
                 values = view_values(service.view(owner, session_id))
@@ -217,10 +277,12 @@ def build(service: Service, secret: str) -> gr.Blocks:
             except UserError as e:
                 return notice_only(str(e))
 
+        # always_last: a pick made while the previous one is still pending runs once that one is done (Gradio's
+        # default, "once", would drop it: the list would show the new pick and the panel the old one).
+        # The library follows through session_state.change (below): no .then here, which would run for the
+        # pick's echo too.
         sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
-                       concurrency_limit=None, show_progress="hidden"
-                       ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                              api_visibility="private", show_progress="hidden")
+                       concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
 
         def on_delete(owner, session_id, request: gr.Request):
             try:
@@ -298,8 +360,10 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return
             sid = job["session_id"]
             try:
-                for update in service.read_stream(owner, sid, resume=job["kind"] == "resume"):
-                    yield stream_outputs(update, owner, sid, viewing.shows(request, sid))
+                for u in to_tab(service.read_stream(owner, sid, resume=job["kind"] == "resume"), owner, sid, request):
+                    yield (u.get("panel", gr.skip()), u.get("segment", gr.skip()),
+                           listed(owner) if u.get("sessions") else gr.skip(),
+                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
 
@@ -363,11 +427,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return
             sid = job["session_id"]
             try:
-                for u in service.answer_stream(owner, sid, job["question"]):
-                    if not viewing.shows(request, sid):
-                        u = {k: v for k, v in u.items() if k in ("sessions", "notice")}
+                for u in to_tab(service.answer_stream(owner, sid, job["question"]), owner, sid, request):
                     yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
-                           session_choices(owner, sid) if u.get("sessions") else gr.skip(),
+                           listed(owner) if u.get("sessions") else gr.skip(),
                            gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))

@@ -7,8 +7,10 @@ short document at the same time. Measured and checked:
 - each sees only its own sessions: an API client asking /answer about another client's session id is refused,
   and each browser's session list holds only its own readings;
 - queue positions: the rank gradio_client reports while a job waits, the panel's "jobs ahead" line in browsers;
-- while the engine is busy, a browser's session list (reopening a session: dropdown -> panel switched) and a
-  mark (click -> the mark committed in SQLite) answer within 0.5 s at the 95th percentile;
+- while the engine is busy, a browser's session list (reopening a session: the session's entry pressed in the
+  list -> the panel showing it, timed in the page) and a mark (click -> the mark committed in SQLite) answer
+  within 0.5 s at the 95th percentile; the same with the engine idle, as the baseline;
+- two picks in the session list in quick succession (the first still pending) leave the panel on the last;
 - `PRAGMA integrity_check` is ok afterwards.
 
     python -m bench.load                      # 8 API clients + 2 browsers (the issue's run)
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sqlite3
 import statistics
@@ -50,6 +53,10 @@ def documents(folder: Path, n: int, chars: int = 700) -> list[Path]:
         path.write_text(f"Reader {i}. " + text[start:start + chars], encoding="utf-8")
         out.append(path)
     return out
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def p95(values: list[float]) -> float | None:
@@ -117,11 +124,28 @@ def browser_start(page, url: str, path: Path, question: str = QUESTION) -> dict:
 
 STALE_SELECTIONS: list[str] = []  # reopen() found the list already showing the session the panel did not show
 
+# Timestamps taken in the page: when an option of the sessions list is pressed, and when the panel's session
+# changes after it (a MutationObserver, so neither Playwright's polling nor its click are in the figure).
+PICK_TIMING = """() => {
+  if (window.mgPick) return;
+  const t = window.mgPick = {at: null, shown: {}};
+  document.addEventListener('pointerdown', (e) => {
+    if (e.target.closest && e.target.closest('ul[role=listbox] li')) { t.at = performance.now(); t.shown = {}; }
+  }, true);
+  new MutationObserver(() => {
+    const p = document.querySelector('#margin-panel .mg-panel');
+    if (p && t.at !== null && !(p.dataset.session in t.shown)) t.shown[p.dataset.session] = performance.now();
+  }).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-session']});
+}"""
 
-def reopen(page, label_part: str, session_id: str, other: str | None = None) -> float:
-    """Pick a session in the list; seconds until the panel shows it. If the list already has it selected while
-    the panel shows another (a stream's list refresh selected it), picking it fires no event: that is noted in
-    STALE_SELECTIONS and `other` is picked first, untimed."""
+
+def reopen(page, label_part: str, session_id: str, other: str | None = None) -> tuple[float, float]:
+    """Pick a session in the list. Returns (pick -> panel, list -> panel) in seconds: from pressing the
+    session's entry to the panel showing it, timed in the page; and from clicking the list open, as the
+    reader's whole gesture, timed here (it adds Playwright's own waits for the list to open and settle). If
+    the list already has the session selected while the panel shows another (a stream's list refresh selected
+    it), that is noted in STALE_SELECTIONS and `other` is picked first, untimed."""
+    page.evaluate(PICK_TIMING)
     if label_part in page.input_value("#sessions input") and panel_state(page)["session"] != session_id:
         STALE_SELECTIONS.append(session_id)
         if other:
@@ -135,7 +159,38 @@ def reopen(page, label_part: str, session_id: str, other: str | None = None) -> 
     page.locator("ul[role=listbox] li").filter(has_text=label_part).first.click()
     page.wait_for_function(
         f"() => document.querySelector('#margin-panel .mg-panel').dataset.session === {session_id!r}", timeout=30_000)
-    return time.monotonic() - started
+    whole = time.monotonic() - started
+    picked = page.evaluate(f"() => (window.mgPick.shown[{session_id!r}] - window.mgPick.at) / 1000")
+    return picked, whole
+
+
+def pick_by_keyboard(page, label_part: str) -> None:
+    """Pick a session as a keyboard user does: type part of its entry into the list, Enter."""
+    page.focus("#sessions input")
+    page.fill("#sessions input", label_part)
+    page.press("#sessions input", "Enter")
+
+
+def quick_picks(page, first: tuple[str, str], second: tuple[str, str], pairs: int = 3) -> tuple[int, list[dict]]:
+    """Pick one session and at once the other (about 0.1 s apart, so the first is still pending), `pairs` times
+    each way: the panel must end on the last pick. Returns (pairs made, what the lost ones showed)."""
+    lost = []
+    for _ in range(pairs):
+        for (label_a, _), (label_b, session_b) in ((first, second), (second, first)):
+            started = time.time()
+            pick_by_keyboard(page, label_a)
+            pick_by_keyboard(page, label_b)
+            try:
+                page.wait_for_function("() => document.querySelector('#margin-panel .mg-panel').dataset.session "
+                                       f"=== {session_b!r}", timeout=10_000)
+                time.sleep(0.5)  # and it stays there
+            except Exception:  # Playwright's TimeoutError: the last pick never reached the panel
+                pass
+            shown = panel_state(page)["session"]
+            if shown != session_b:
+                lost.append({"at": started, "picked": session_b, "panel": shown,
+                             "list": page.input_value("#sessions input")})
+    return 2 * pairs, lost
 
 
 def mark_latency(page, db: Path, session_id: str) -> float | None:
@@ -178,7 +233,7 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
     started = time.monotonic()
     for t in threads:
         t.start()
-    reopen_s, marks_s, queue_lines, browser_sessions = [], [], [], []
+    reopen_s, reopen_list_s, marks_s, queue_lines, browser_sessions = [], [], [], [], []
     contexts = [chromium.new_context(viewport={"width": 1300, "height": 900}) for _ in range(browsers)]
     pages = [c.new_page() for c in contexts]
     # Each browser: a first reading it stops at once (a second session to switch to), then its reading.
@@ -193,8 +248,10 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
         panel_state(pg)["status"] in ("queued", "reading") for pg in pages)
     while busy() and time.monotonic() - started < deadline_s:
         for page, (first, second) in zip(pages, browser_sessions):
-            reopen_s.append(reopen(page, FIRST_QUESTION, first, QUESTION))
-            reopen_s.append(reopen(page, QUESTION, second, FIRST_QUESTION))
+            for label, session, other in ((FIRST_QUESTION, first, QUESTION), (QUESTION, second, FIRST_QUESTION)):
+                picked, whole = reopen(page, label, session, other)
+                reopen_s.append(picked)
+                reopen_list_s.append(whole)
             latency = mark_latency(page, db, second)
             if latency is not None:
                 marks_s.append(latency)
@@ -209,14 +266,18 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
         t.join(timeout=max(1, deadline_s - (time.monotonic() - started)))
     wall = time.monotonic() - started  # the readings' part; the idle rounds below are not in it
     # The same, with the engine idle: what the machine and the browser cost on their own.
-    idle_reopen_s, idle_marks_s = [], []
+    idle_reopen_s, idle_reopen_list_s, idle_marks_s = [], [], []
     for _ in range(IDLE_ROUNDS):
         for page, (first, second) in zip(pages, browser_sessions):
-            idle_reopen_s.append(reopen(page, FIRST_QUESTION, first, QUESTION))
-            idle_reopen_s.append(reopen(page, QUESTION, second, FIRST_QUESTION))
+            for label, session, other in ((FIRST_QUESTION, first, QUESTION), (QUESTION, second, FIRST_QUESTION)):
+                picked, whole = reopen(page, label, session, other)
+                idle_reopen_s.append(picked)
+                idle_reopen_list_s.append(whole)
             latency = mark_latency(page, db, second)
             if latency is not None:
                 idle_marks_s.append(latency)
+    quick = [quick_picks(page, (FIRST_QUESTION, first), (QUESTION, second))
+             for page, (first, second) in zip(pages, browser_sessions)]
     for i, page in enumerate(pages):
         # Each browser's list holds exactly its own two readings.
         page.click("#sessions input")
@@ -255,7 +316,12 @@ def run(url: str, db: Path, folder: Path, api: int, browsers: int, deadline_s: f
         "reopen_p95_s": p95(reopen_s), "marks_p95_s": p95(marks_s),
         "idle_reopen_s": [round(x, 3) for x in idle_reopen_s], "idle_marks_s": [round(x, 3) for x in idle_marks_s],
         "idle_reopen_p95_s": p95(idle_reopen_s), "idle_marks_p95_s": p95(idle_marks_s),
+        "reopen_list_s": [round(x, 3) for x in reopen_list_s], "reopen_list_p95_s": p95(reopen_list_s),
+        "idle_reopen_list_s": [round(x, 3) for x in idle_reopen_list_s],
+        "idle_reopen_list_p95_s": p95(idle_reopen_list_s), "load_average": os.getloadavg(),
         "stale_selections": len(STALE_SELECTIONS),
+        "quick_picks": sum(n for n, _ in quick), "quick_picks_lost": sum(len(lost) for _, lost in quick),
+        "quick_picks_lost_detail": [x for _, lost in quick for x in lost],
         "cross_session_asks": asked, "cross_session_refused": refused, "integrity_check": integrity,
     }
 
@@ -271,17 +337,22 @@ def summary(figures: dict) -> str:
         f"{sum(bool(r['error']) for r in api)} failed; highest queue rank seen {figures['max_api_rank']}",
         f"browsers: {figures['browser_end']} (end status, sessions listed); queue lines: "
         f"{figures['browser_queue_lines']}",
-        f"reopen a session while busy: p95 {fmt(figures['reopen_p95_s'])} (n={len(figures['reopen_s'])}, "
+        f"reopen a session while busy (pick -> panel): p95 {fmt(figures['reopen_p95_s'])} "
+        f"(median {fmt(median(figures['reopen_s']))}, n={len(figures['reopen_s'])}, "
         f"max {fmt(max(figures['reopen_s'], default=None))}); mark committed: p95 {fmt(figures['marks_p95_s'])} "
         f"(n={len(figures['marks_s'])}, max {fmt(max(figures['marks_s'], default=None))}); target "
         f"{LATENCY_TARGET_S} s",
         f"the same with the engine idle: reopen p95 {fmt(figures['idle_reopen_p95_s'])} "
-        f"(n={len(figures['idle_reopen_s'])}), mark p95 {fmt(figures['idle_marks_p95_s'])} "
-        f"(n={len(figures['idle_marks_s'])})",
+        f"(median {fmt(median(figures['idle_reopen_s']))}, n={len(figures['idle_reopen_s'])}), "
+        f"mark p95 {fmt(figures['idle_marks_p95_s'])} (n={len(figures['idle_marks_s'])})",
+        f"reopen timed from clicking the list open (adds Playwright's waits for the list): p95 busy "
+        f"{fmt(figures['reopen_list_p95_s'])}, idle {fmt(figures['idle_reopen_list_p95_s'])}",
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in figures['load_average'])}",
         f"another client's session asked through /answer: {figures['cross_session_refused']} of "
         f"{figures['cross_session_asks']} refused; PRAGMA integrity_check: {figures['integrity_check']}",
-        f"session list showing a session the panel did not (picking it again fired nothing): "
-        f"{figures['stale_selections']} time(s)",
+        f"session list found showing a session the panel did not: {figures['stale_selections']} time(s); "
+        f"two picks in quick succession (keyboard): {figures['quick_picks_lost']} of {figures['quick_picks']} "
+        f"left the panel elsewhere than the last pick",
     ])
 
 
