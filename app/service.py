@@ -114,8 +114,6 @@ class Service:
         # Reopening a session shows it again; segmenting a novel costs seconds (3.2 s for pg1342 here).
         self._layouts: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
-        self._switched = threading.Condition(self._lock)  # a model switch has ended: queued jobs may begin
-        self._switching = False
         # Finished readings' KV caches, one folder a session, beside the database (paths stored relative to it).
         self.data_dir = os.path.dirname(store.path)
         self.pages = passages.PageImages()  # PDF pages, rendered on demand for the passage view
@@ -164,27 +162,21 @@ class Service:
         time; if the new one cannot be loaded the old one stays. UserError with the reason."""
         if spec == self.engine.lm.spec:
             return False
-        if not self.engine.lm.serial:
+        if not self.engine.lm.serial:  # hence a switch only ever runs alone in the engine's one slot
             raise UserError("This app reads through a model server (--backend openai): switch the model there.")
         with self._lock:
-            if self._active or self._switching:
+            if self._active:
                 raise UserError("A reading or an answer is running: stop it (or wait) before switching models.")
-            self._switching = True  # on a model server several engine jobs run at once: hold the queued ones
         try:
-            try:
-                engine = self._load(spec)
-            except (ValueError, RuntimeError, OSError) as e:
-                raise UserError(f"Could not load {spec}: {e}") from e
-            old, self.engine = self.engine, engine
-            self.model = engine.lm.name
-            worker.set_engine(engine)  # drops the readings cached for the old model
-            with self._lock:
-                self._segments.clear()  # segments are measured in the old model's tokens
-            del old
-        finally:
-            with self._lock:
-                self._switching = False
-                self._switched.notify_all()
+            engine = self._load(spec)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise UserError(f"Could not load {spec}: {e}") from e
+        old, self.engine = self.engine, engine
+        self.model = engine.lm.name
+        worker.set_engine(engine)  # drops the readings cached for the old model
+        with self._lock:
+            self._segments.clear()  # segments are measured in the old model's tokens
+        del old
         import gc
         gc.collect()
         self.rates = dict(self.measured.get(spec) or {"prefill": 400.0, "decode": 8.0})
@@ -528,8 +520,6 @@ class Service:
 
     def _begin(self, session_id: str, kind: str) -> threading.Event:
         with self._lock:
-            while self._switching:  # the job then finds the new model (read_stream/answer_stream say so)
-                self._switched.wait()
             if session_id in self._waiting:
                 self._waiting.remove(session_id)
             self._active[session_id] = kind

@@ -41,8 +41,6 @@ SERVER_JOBS = max(1, int(os.environ.get("MARGINALIA_SERVER_JOBS", "4")))
 _engine: Engine | None = None
 _readings: "OrderedDict[str, tuple[str, Reading]]" = OrderedDict()
 _readings_lock = threading.Lock()
-_slots = threading.Condition()  # jobs running now, at most job_slots()
-_running = 0
 
 
 def job_slots(engine: Engine | None = None) -> int:
@@ -179,11 +177,6 @@ def run(job: dict, stop: threading.Event) -> Iterator[Event]:
     """Drive engine_job for a request handler. Off ZeroGPU the engine sees `stop` itself (a Stop takes
     effect within one forward pass); on ZeroGPU the job runs in another process, so the handler stops
     taking events and closes the generator instead."""
-    global _running
-    with _slots:  # the queue admits job_slots() of the engine it was built for; the engine now loaded decides
-        while _running >= job_slots():
-            _slots.wait()
-        _running += 1
     events = engine_job(job, None if ZERO_GPU else stop)
     try:
         for ev in events:
@@ -193,6 +186,3 @@ def run(job: dict, stop: threading.Event) -> Iterator[Event]:
                 return
     finally:
         events.close()
-        with _slots:
-            _running -= 1
-            _slots.notify_all()
