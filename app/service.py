@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from engine.events import (Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, ServerRequest, Stats,
                            WindowStart)
-from engine.wim import DocumentTooLong, Engine, Reading, Settings
+from engine.wim import Engine, Reading, Settings
 
 from . import passage as passages
 from . import render, worker

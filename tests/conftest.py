@@ -142,3 +142,36 @@ def chromium():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+# ---------------------------------------------------------------- one app server and browser profile per module
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """`python app.py` for the module, started with the module's SERVER_ARGS on its own data folder."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    app = AppServer(tmp_path_factory.mktemp(f"marginalia-{name}"), *request.module.SERVER_ARGS).start()
+    yield app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def context(chromium, server):
+    """One browser profile for the module: its localStorage holds the browser's identity."""
+    ctx = chromium.new_context(viewport={"width": 1400, "height": 1000})
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def page(context, server):
+    page = context.new_page()
+    page.goto(server.url)
+    wait_ready(page)
+    yield page
+    page.close()
+
+
+def wait_ready(page) -> None:
+    """The page has loaded and the load event has run (the browser's id is known)."""
+    page.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=60_000)

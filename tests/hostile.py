@@ -9,7 +9,6 @@ tests/test_app_reliability.py (a subset uploaded through the running app).
 """
 from __future__ import annotations
 
-import codecs
 import hashlib
 import io
 import json

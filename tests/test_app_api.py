@@ -3,17 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import AppServer, shared
+from conftest import shared
 
 SERVER_ARGS = ["--segment-tokens", "128", "--margin-tokens", "16", "--answer-tokens", "24",
                "--classifier", "embedding", "--no-warm-up"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    app = AppServer(tmp_path_factory.mktemp("marginalia-api"), *SERVER_ARGS).start()
-    yield app
-    app.stop()
 
 
 @pytest.fixture(scope="module")

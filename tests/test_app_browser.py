@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, AppServer, shared
+from conftest import ROOT, shared, wait_ready
 
 # Free-form margins (the embedding classifier judges them): each takes seconds, so a reading can be watched
 # segment by segment and killed half-way. Extractive notes (the default) finish a short text before the
@@ -34,31 +34,6 @@ def alice_chapter_one() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = tmp_path_factory.mktemp("marginalia-data")
-    app = AppServer(data, *SERVER_ARGS).start()
-    yield app
-    app.stop()
-
-
-@pytest.fixture(scope="module")
-def context(chromium, server):
-    """One browser profile for the module: its localStorage holds the browser's identity."""
-    ctx = chromium.new_context(viewport={"width": 1400, "height": 1000})
-    yield ctx
-    ctx.close()
-
-
-@pytest.fixture
-def page(context, server):
-    page = context.new_page()
-    page.goto(server.url)
-    wait_ready(page)
-    yield page
-    page.close()
-
-
-@pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("uploads")
     chapter = alice_chapter_one()
@@ -70,11 +45,6 @@ def files(tmp_path_factory):
     # The crash test reads a shorter text whose first line is markup: it must show as text, never as HTML.
     paths["short"].write_text("<b>Alice</b> <img src=x onerror=alert(1)>\n\n" + chapter[:4500], encoding="utf-8")
     return paths
-
-
-def wait_ready(page) -> None:
-    """The page has loaded and the load event has run (the browser's id is known)."""
-    page.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=60_000)
 
 
 def panel(page) -> dict:

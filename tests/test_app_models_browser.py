@@ -11,9 +11,9 @@ import sqlite3
 
 import pytest
 
-from conftest import ROOT, AppServer
+from conftest import ROOT, AppServer, wait_ready
 from engine import model as models
-from test_app_browser import panel, start_reading, wait_ready, wait_status
+from test_app_browser import panel, start_reading, wait_status
 from test_models import QUESTION, STORY
 
 pytestmark = pytest.mark.skipif(not models.qwen_installed(), reason="Qwen2.5 1.5B parts not installed")

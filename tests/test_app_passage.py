@@ -14,35 +14,12 @@ import re
 
 import pytest
 
-from conftest import ROOT, AppServer, shared
-from test_app_browser import alice_chapter_one, db, panel, start_reading, wait_cards, wait_ready, wait_status
+from conftest import ROOT, shared, wait_ready
+from test_app_browser import alice_chapter_one, db, panel, start_reading, wait_cards, wait_status
 
 SERVER_ARGS = ["--segment-tokens", "400", "--margin-tokens", "48", "--answer-tokens", "16", "--classifier", "none"]
 SLOW = 240_000
 SCREENSHOTS = bool(os.environ.get("MARGINALIA_SCREENSHOT"))  # the README's pictures
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    app = AppServer(tmp_path_factory.mktemp("marginalia-passage"), *SERVER_ARGS).start()
-    yield app
-    app.stop()
-
-
-@pytest.fixture(scope="module")
-def context(chromium, server):
-    ctx = chromium.new_context(viewport={"width": 1400, "height": 1000})
-    yield ctx
-    ctx.close()
-
-
-@pytest.fixture
-def page(context, server):
-    page = context.new_page()
-    page.goto(server.url)
-    wait_ready(page)
-    yield page
-    page.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import sqlite3
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -139,19 +138,25 @@ def check_after_restart(server: AppServer, session_id: str, before: dict) -> dic
     return after
 
 
-def reopen_page(page, server: AppServer) -> None:
-    """Load the app afresh after a restart. The old page may be reloading itself as it finds the server back
-    (Gradio reconnects), which interrupts our navigation: then navigate again."""
-    from playwright.sync_api import Error as PlaywrightError
-    for attempt in range(3):
-        try:
-            page.goto(server.url)
-            break
-        except PlaywrightError as e:
-            if "interrupted by another navigation" not in str(e) or attempt == 2:
-                raise
-            time.sleep(1)
-    page.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=120_000)
+def reopen_page(page, server: AppServer):
+    """Open the app afresh in a new tab of the same browser (same browser id, so the same sessions) after a
+    restart, and close the old tab. Navigating the old tab instead raced with Gradio reloading it as it found the
+    server back, and once hung past Playwright's 30 s wait for its load event."""
+    fresh = page.context.new_page()
+    page.close()
+    fresh.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+    fresh.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=120_000)
+    return fresh
+
+
+def wait_panel(page, server: AppServer, statuses: tuple[str, ...], seconds: float) -> None:
+    """Wait for the panel to show one of `statuses`; on a timeout, fail with what the page and the app showed."""
+    deadline = time.monotonic() + seconds
+    while (state := load.panel_state(page))["status"] not in statuses:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"panel still {state} after {seconds:.0f} s, waiting for {statuses}; "
+                                 f"notice: {page.inner_text('#notice')!r}\napp log:\n{server.tail(15)}")
+        time.sleep(0.2)
 
 
 def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
@@ -181,16 +186,13 @@ def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
             server.start()
             after = check_after_restart(server, session_id, before)
             survived.append(("margin", len(before["margins"]), len(after["margins"])))
-            reopen_page(page, server)
+            page = reopen_page(page, server)
             assert load.panel_state(page)["session"] == session_id
             if len(after["margins"]) == total and not page.is_visible("#resume-btn"):
                 continue  # the kill came after the reading's end (copied notes are fast): nothing to resume
             page.click("#resume-btn")  # Resume continues where the saved margins end
-            page.wait_for_function("() => ['reading', 'queued', 'done'].includes("
-                                   "document.querySelector('#margin-panel .mg-panel').dataset.status)",
-                                   timeout=120_000)
-        page.wait_for_function("() => document.querySelector('#margin-panel .mg-panel').dataset.status === 'done'",
-                               timeout=600_000)
+            wait_panel(page, server, ("reading", "queued", "done"), 120)
+        wait_panel(page, server, ("done",), 300)
         done = check_after_restart(server, session_id, snapshot(server, session_id))
         assert len(done["margins"]) == total
         # Two kills while an answer is being written: a finished answer is kept whole, an unfinished one not at all.
@@ -204,7 +206,7 @@ def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
             server.start()
             after = check_after_restart(server, session_id, before)
             survived.append(("answer", len(before["answers"]), len(after["answers"])))
-            reopen_page(page, server)
+            page = reopen_page(page, server)
         page.fill("#question textarea", "Who writes the letter?")
         page.click("#answer-btn")
         deadline = time.monotonic() + 300

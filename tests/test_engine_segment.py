@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.segment import segment
-from tests.conftest import SHARED, shared
+from tests.conftest import shared
 
 
 @pytest.fixture(scope="module")
