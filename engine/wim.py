@@ -34,7 +34,7 @@ from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, Seg
 from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
 from .batch_scratch import BatchScratch
 from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
-from .model import LoadedModel, load_model
+from .model import LoadedModel, load_model, release_freed_memory
 from .prompts import PromptLayout
 from .segment import Segment, segment
 
@@ -718,6 +718,8 @@ class Reading:
             dropped.append(victim)
 
     def _stats(self, phase: str, stopped: bool = False) -> Stats:
+        """The phase's figures, at its end; what the phase freed goes back to the system first."""
+        release_freed_memory()
         m = self.meter
         seconds = m.seconds
         tokens = m.prefill_tokens + m.decode_tokens

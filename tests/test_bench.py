@@ -52,6 +52,16 @@ def test_speed_quick(tmp_path):
     assert "identical: True" in done.stdout
 
 
+def test_heap_quick(tmp_path):
+    shared("books", "pg84.txt")
+    done = _run("bench.heap", tmp_path)
+    rows = json.loads((tmp_path / "heap.json").read_text())["rows"]
+    assert [r["side"] for r in rows] == ["without malloc_trim", "with malloc_trim (the engine)"]
+    for r in rows:
+        assert len(r["rss_mib"]) == 3 and all(_number(r[k]) and r[k] > 0 for k in ("loaded_mib", "last_mib", "median_s"))
+    assert "with / without: last RSS" in done.stdout
+
+
 def test_eval_quick(tmp_path):
     """The way the README's table was made: cases generated once, run from the file, summarised by --report."""
     shared("babi", "qa1_single-supporting-fact_test.txt")
