@@ -108,6 +108,7 @@ class Service:
         self._stops: dict[str, threading.Event] = {}
         self._active: dict[str, str] = {}       # session id -> "read" | "answer", while its job runs
         self._waiting: list[str] = []           # session ids with an engine job queued, oldest first
+        self._queued_by: dict[str, str] = {}    # session id -> the tab whose job for it waits (release_tab)
         self._marks: dict[str, dict[int, bool | None]] = {}
         self._segments: OrderedDict[str, list] = OrderedDict()
         # What document_html says of a document under some settings: (tokens, segments, note, problem).
@@ -507,23 +508,39 @@ class Service:
             ahead = self._waiting.index(session_id) if session_id in self._waiting else len(self._waiting)
             return ahead + len(self._active)
 
-    def _enqueue(self, session_id: str) -> threading.Event:
-        """Note a job queued for this session. Jobs of one session share a stop flag, so Stop ends the
-        reading and an answer queued behind it; a flag already set (a job stopping) is not reused."""
+    def _enqueue(self, session_id: str, tab: str | None = None) -> threading.Event:
+        """Note a job queued for this session (by browser tab `tab`, if a tab queued it). Jobs of one session
+        share a stop flag, so Stop ends the reading and an answer queued behind it; a flag already set (a job
+        stopping) is not reused."""
         with self._lock:
             busy = session_id in self._active or session_id in self._waiting
             stop = self._stops.get(session_id)
             if stop is None or stop.is_set() or not busy:
                 stop = self._stops[session_id] = threading.Event()
             self._waiting.append(session_id)
+            if tab:
+                self._queued_by[session_id] = tab
             return stop
 
     def _begin(self, session_id: str, kind: str) -> threading.Event:
         with self._lock:
             if session_id in self._waiting:
                 self._waiting.remove(session_id)
+            if session_id not in self._waiting:
+                self._queued_by.pop(session_id, None)
             self._active[session_id] = kind
             return self._stops.setdefault(session_id, threading.Event())
+
+    def release_tab(self, tab: str) -> list[str]:
+        """Forget the jobs a closed (or disconnected) tab queued that have not begun. Gradio drops a tab's
+        queued events when its connection goes, so those jobs never run; left in the queue, their sessions
+        would show "queued" and refuse Resume until a restart, and every other reader would count them ahead."""
+        with self._lock:
+            gone = [sid for sid, t in self._queued_by.items() if t == tab]
+            for sid in gone:
+                del self._queued_by[sid]
+                self._waiting = [w for w in self._waiting if w != sid]
+        return gone
 
     def _end(self, session_id: str) -> None:
         with self._lock:
@@ -540,7 +557,8 @@ class Service:
 
     # ------------------------------------------------------------------ reading
 
-    def start_read(self, owner: str, document_id: int | None, question: str, settings: Settings) -> str:
+    def start_read(self, owner: str, document_id: int | None, question: str, settings: Settings,
+                   tab: str | None = None) -> str:
         """Create the session for a new reading and queue it; returns its id. UserError if it can't start."""
         if not owner:
             raise UserError("The page is still loading; please try again in a moment.")
@@ -560,10 +578,10 @@ class Service:
         self.store.mark_opened(session_id)
         with self._lock:
             self._segments[session_id] = reading.segments
-        self._enqueue(session_id)
+        self._enqueue(session_id, tab)
         return session_id
 
-    def start_resume(self, owner: str, session_id: str) -> str:
+    def start_resume(self, owner: str, session_id: str, tab: str | None = None) -> str:
         session = self._session(owner, session_id)
         if session_id in self._active or session_id in self._waiting:
             raise UserError("This reading is already running.")
@@ -571,7 +589,7 @@ class Service:
             raise UserError(self._other_model(session, "Resume it"))
         if session["segments_read"] >= session["segments_total"]:
             raise UserError("This document has been read to the end already.")
-        self._enqueue(session_id)
+        self._enqueue(session_id, tab)
         self.store.mark_opened(session_id)
         return session_id
 
@@ -743,7 +761,7 @@ class Service:
 
     # ------------------------------------------------------------------ answering
 
-    def start_answer(self, owner: str, session_id: str | None, question: str) -> dict:
+    def start_answer(self, owner: str, session_id: str | None, question: str, tab: str | None = None) -> dict:
         session = self._session(owner, session_id)
         if session["model"] and session["model"] != self.model:
             raise UserError(self._other_model(session, "ask about it"))
@@ -752,7 +770,7 @@ class Service:
         elif not self.store.margins(session_id):
             raise UserError("There are no margins yet: press Read (or Resume) first.")
         question = (question or "").strip() or session["question"]
-        self._enqueue(session_id)
+        self._enqueue(session_id, tab)
         return {"session_id": session_id, "question": question}
 
     def answer_stream(self, owner: str, session_id: str, question: str) -> Iterator[Update]:

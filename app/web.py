@@ -336,7 +336,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
             try:
                 settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name,
                                             margins_name)
-                session_id = service.start_read(owner, doc_id, text, settings)
+                session_id = service.start_read(owner, doc_id, text, settings, tab=request.session_hash)
             except UserError as e:
                 return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)),
                         gr.skip())
@@ -347,7 +347,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         def on_resume(owner, session_id, request: gr.Request):
             try:
-                service.start_resume(owner, session_id)
+                service.start_resume(owner, session_id, tab=request.session_hash)
             except UserError as e:
                 return None, gr.skip(), render.notice_html(str(e)), gr.skip()
             viewing.show(request, session_id)
@@ -414,9 +414,9 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         # ---------------------------------------------------------- answer and export
 
-        def on_answer(owner, session_id, text):
+        def on_answer(owner, session_id, text, request: gr.Request):
             try:
-                job = service.start_answer(owner, session_id, text)
+                job = service.start_answer(owner, session_id, text, tab=request.session_hash)
             except UserError as e:
                 return None, render.notice_html(str(e))
             return {"kind": "answer", **job}, ""
@@ -510,7 +510,7 @@ def build(service: Service, secret: str) -> gr.Blocks:
                         return (None, gr.update(choices=[], value=None), *blank_view())
                     sid, job = latest, None
                 elif action == "continue":
-                    service.start_resume(owner, sid)
+                    service.start_resume(owner, sid, tab=request.session_hash)
                     job = {"kind": "resume", "session_id": sid}
                 elif action == "open":
                     job = None
@@ -535,7 +535,12 @@ def build(service: Service, secret: str) -> gr.Blocks:
                                     ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
                                            api_visibility="private", show_progress="hidden")
 
-        demo.unload(viewing.close)
+        def on_unload(request: gr.Request):
+            viewing.close(request)
+            if request is not None and request.session_hash:
+                service.release_tab(request.session_hash)  # its queued events are gone with it
+
+        demo.unload(on_unload)
 
         # ---------------------------------------------------------- the API (gradio_client)
         add_api(service)

@@ -249,13 +249,48 @@ def test_stop_mid_reading_keeps_margins(page, server, files, capsys):
     assert "Used margins" in page.inner_text("#answers .mg-answer")
 
 
+# ---------------------------------------------------------------- a tab closed while its job waits
+
+def test_a_job_queued_by_a_closed_tab_leaves_the_queue(page, server, files, context):
+    start_reading(page, files["alice"], "What does Alice drink?")  # takes the engine's one slot
+    wait_cards(page, 1)
+    other = context.new_page()
+    other.goto(server.url)
+    wait_ready(other)
+    start_reading(other, files["short"], "Where does the rabbit-hole lead?")
+    wait_status(other, "queued", timeout=60_000)  # behind the first reading
+    queued = panel(other)["session"]
+    other.close()  # Gradio drops the closed tab's queued event: that job will never run
+    third = context.new_page()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the newest session opens on load; it must stop being "queued" once the tab is gone
+            third.goto(server.url)
+            wait_ready(third)
+            p = panel(third)
+            assert p["session"] == queued
+            if p["status"] != "queued" or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert p["status"] == "interrupted", p  # resumable, not stuck behind a job that will never run
+        assert panel(page)["status"] in ("reading", "queued")  # released while the first reading still ran
+        assert third.is_visible("#resume-btn")
+    finally:
+        third.close()
+    page.click("#stop-btn")
+    wait_status(page, "stopped", "done", timeout=60_000)
+
+
 # ---------------------------------------------------------------- a crash mid-reading, then Resume
 
 def test_crash_then_resume_continues_where_it_stopped(page, server, files):
     start_reading(page, files["short"], "Where does the rabbit-hole lead?")
     # The document's first line is markup: it is shown as text.
-    page.wait_for_selector('#segment-view .mg-segview[data-index="0"]', timeout=SLOW)
-    assert "<b>Alice</b> <img src=x" in page.inner_text("#segment-view")
+    # Read in the same evaluation that finds segment 0 in view: the view moves on as the reading does.
+    shown = page.wait_for_function("""() => { const v = document.querySelector('#segment-view .mg-segview');
+        return v && v.dataset.index === '0' && document.querySelector('#segment-view').innerText; }""",
+                                   timeout=SLOW).json_value()
+    assert "<b>Alice</b> <img src=x" in shown
     assert page.locator("#segment-view b, #segment-view img").count() == 0
     wait_cards(page, 1)
     session_id = panel(page)["session"]

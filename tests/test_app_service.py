@@ -233,3 +233,22 @@ def test_upload_notices_and_long_read_warning(service, tmp_path):
     assert "mg-doc-warning" in html and "will take about" in html
     tokens_estimate = service.estimate_seconds(250, 4, settings)
     assert tokens_estimate > LONG_READ_SECONDS
+
+
+def test_a_closed_tabs_queued_jobs_are_released(service):
+    """Gradio drops a tab's queued events when the tab goes; the jobs they would have run must leave the queue,
+    or their sessions stay "queued" and refuse Resume until a restart, and others count them ahead."""
+    first, second = saved_session(service), saved_session(service)
+    service.start_resume("alice", first, tab="tab-1")
+    service.start_resume("alice", second, tab="tab-2")
+    service.start_answer("alice", first, "Who is in want of a wife?", tab="tab-1")  # queued behind the reading
+    assert service.queue_position(second) == 1
+    with pytest.raises(UserError, match="already running"):
+        service.start_resume("alice", first, tab="tab-3")
+    assert service.release_tab("tab-3") == []
+    assert service.release_tab("tab-1") == [first]
+    assert service.queue_position(second) == 0  # nothing left ahead of it
+    assert service._status(service.store.get_session(first)) != "queued"
+    service.start_resume("alice", first, tab="tab-3")  # resumable again
+    assert service.queue_position(first) == 1
+    assert service.release_tab("tab-2") == [second] and service.release_tab("tab-3") == [first]
