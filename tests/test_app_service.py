@@ -252,3 +252,10 @@ def test_a_closed_tabs_queued_jobs_are_released(service):
     service.start_resume("alice", first, tab="tab-3")  # resumable again
     assert service.queue_position(first) == 1
     assert service.release_tab("tab-2") == [second] and service.release_tab("tab-3") == [first]
+
+
+def test_warm_up_measures_reading_and_writing(service):
+    """The picker shows the loaded model's speed as measured by its warm-up, copied notes (no decode step) or not."""
+    rates = service.warm_up()
+    assert service.measured[service.engine.lm.spec] == rates
+    assert rates["prefill"] > 0 and rates["decode"] > 0
