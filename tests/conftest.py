@@ -178,3 +178,21 @@ def page(context, server):
 def wait_ready(page) -> None:
     """The page has loaded and the load event has run (the browser's id is known)."""
     page.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=60_000)
+
+
+def reopen_page(page, url: str):
+    """Load the app afresh in the same tab after a restart. Gradio may be reloading the tab itself as it finds
+    the server back, which aborts or holds up our navigation (in CI: net::ERR_ABORTED once, a load event past
+    30 s once): then navigate again. Only the DOM is waited for; the panel's ready flag says the app is up.
+    (Opening a new tab and closing the old one instead hung in page.close() twice in 8 runs.)"""
+    from playwright.sync_api import Error as PlaywrightError
+    for attempt in range(3):
+        try:
+            page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+            break
+        except PlaywrightError:
+            if attempt == 2:
+                raise
+            time.sleep(1)
+    wait_ready(page)
+    return page

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, shared, wait_ready
+from conftest import ROOT, reopen_page, shared, wait_ready
 
 # Free-form margins (the embedding classifier judges them): each takes seconds, so a reading can be watched
 # segment by segment and killed half-way. Extractive notes (the default) finish a short text before the
@@ -301,8 +301,7 @@ def test_crash_then_resume_continues_where_it_stopped(page, server, files):
     assert saved
 
     server.start()
-    page.reload()
-    wait_ready(page)
+    page = reopen_page(page, server.url)
     p = panel(page)
     assert p["session"] == session_id  # the newest session reopens
     assert p["status"] == "interrupted" and p["done"] == len(saved) and p["read"] < p["total"]

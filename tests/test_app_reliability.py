@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 import hostile
-from conftest import ROOT, AppServer, shared
+from conftest import ROOT, AppServer, reopen_page, shared
 
 sys.path.insert(0, str(ROOT))
 from bench import load  # noqa: E402
@@ -138,17 +138,6 @@ def check_after_restart(server: AppServer, session_id: str, before: dict) -> dic
     return after
 
 
-def reopen_page(page, server: AppServer):
-    """Open the app afresh in a new tab of the same browser (same browser id, so the same sessions) after a
-    restart, and close the old tab. Navigating the old tab instead raced with Gradio reloading it as it found the
-    server back, and once hung past Playwright's 30 s wait for its load event."""
-    fresh = page.context.new_page()
-    page.close()
-    fresh.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
-    fresh.wait_for_selector('#margin-panel .mg-panel[data-ready="1"]', timeout=120_000)
-    return fresh
-
-
 def wait_panel(page, server: AppServer, statuses: tuple[str, ...], seconds: float) -> None:
     """Wait for the panel to show one of `statuses`; on a timeout, fail with what the page and the app showed."""
     deadline = time.monotonic() + seconds
@@ -186,7 +175,7 @@ def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
             server.start()
             after = check_after_restart(server, session_id, before)
             survived.append(("margin", len(before["margins"]), len(after["margins"])))
-            page = reopen_page(page, server)
+            page = reopen_page(page, server.url)
             assert load.panel_state(page)["session"] == session_id
             if len(after["margins"]) == total and not page.is_visible("#resume-btn"):
                 continue  # the kill came after the reading's end (copied notes are fast): nothing to resume
@@ -206,7 +195,7 @@ def test_kill_9_during_margins_and_answers(server, chromium, tmp_path, capsys):
             server.start()
             after = check_after_restart(server, session_id, before)
             survived.append(("answer", len(before["answers"]), len(after["answers"])))
-            page = reopen_page(page, server)
+            page = reopen_page(page, server.url)
         page.fill("#question textarea", "Who writes the letter?")
         page.click("#answer-btn")
         deadline = time.monotonic() + 300
