@@ -395,26 +395,27 @@ def main(argv: list[str] | None = None) -> int:
                            "info": c.info, "records": records.get(c.key, {})} for c in cases]}
         return write_results(out, "eval", data, markdown(meta, rows, modes))
 
-    with record_path.open("a", encoding="utf-8") as log_file:
-        for k, case in enumerate(mine):
-            have = records.get(case.key, {})
-            if all(m in have for m in modes):
-                continue
-            t = time.perf_counter()
-            try:
-                new = evaluator.run(case, modes, have)
-            except Exception as exc:  # one failed case (say, a document the engine refuses) must not end the run
-                log(f"{case.key}: {type(exc).__name__}: {exc}")
-                continue
+    for k, case in enumerate(mine):
+        have = records.get(case.key, {})
+        if all(m in have for m in modes):
+            continue
+        t = time.perf_counter()
+        try:
+            new = evaluator.run(case, modes, have)
+        except Exception as exc:  # one failed case (say, a document the engine refuses) must not end the run
+            log(f"{case.key}: {type(exc).__name__}: {exc}")
+            continue
+        # Opened for each case, not held for the run: a file replaced meanwhile (a git checkout of the results)
+        # gets the records, not a deleted copy of it.
+        with record_path.open("a", encoding="utf-8") as log_file:
             for mode, rec in new.items():
                 rec |= {"case": case.key, "fingerprint": fp}
                 records[case.key][mode] = rec
                 log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-            scores = " ".join(f"{m}={new[m]['score']:.2f}" for m in modes if m in new)
-            log(f"{k + 1}/{len(mine)} {case.key} ({time.perf_counter() - t:.0f} s) {scores}")
-            if not args.shard:  # shards leave the summary to one `--report` run over all record files
-                save()
+        scores = " ".join(f"{m}={new[m]['score']:.2f}" for m in modes if m in new)
+        log(f"{k + 1}/{len(mine)} {case.key} ({time.perf_counter() - t:.0f} s) {scores}")
+        if not args.shard:  # shards leave the summary to one `--report` run over all record files
+            save()
     if args.shard:
         return 0
     paths = save()
