@@ -37,6 +37,10 @@ ROW_CHUNK = 384                                   # scratch tokens per scoring p
 # Where a sentence ends (as engine/segment.py cuts), plus single line breaks for long pieces (tables, lists).
 _SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s)|\n[ \t]*\n")
 _LINE_BREAK = re.compile(r"\n")
+# A field label at the start of a line ("DATES:", "SUMMARY:", "FOR FURTHER INFORMATION CONTACT:" in notices,
+# forms and reports): the sentence after it is a piece of its own, so a note can copy the sentence without
+# having to begin with the label (a model asked for sentences rarely starts one with "DATES").
+_LABEL = re.compile(r"(?m)^[ \t]*[A-Z][A-Z&/ \-]{1,40}:(?=\s)")
 _WORD_CHAR = re.compile(r"\w")
 
 
@@ -140,11 +144,11 @@ class Piece:
 def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int) -> list[Piece]:
     """The segment text[start:end] cut into sentences of at most `max_tokens` tokens (a longer one is cut at
     line breaks, then between words), stripped of surrounding white space; only pieces with a word in them."""
-    spans, cut = [], start
-    for m in _SENTENCE_END.finditer(text, start, end):
-        spans.append((cut, m.end()))
-        cut = m.end()
-    spans.append((cut, end))
+    cuts = {m.end() for m in _SENTENCE_END.finditer(text, start, end)}
+    labels = {m.end() for m in _LABEL.finditer(text, start, end)}
+    cuts |= labels | {m.start() for m in _LABEL.finditer(text, start, end)}
+    edges = [start, *sorted(c for c in cuts if start < c < end), end]
+    spans = [(a, b) for a, b in zip(edges, edges[1:]) if b not in labels]  # the labels themselves: not copied
     out: list[Piece] = []
 
     def add(a: int, b: int, depth: int = 0) -> None:

@@ -82,6 +82,29 @@ def test_pieces_tile_the_sentences_and_cap_their_length(engine):
     assert spans == sorted(spans) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
+def test_a_field_label_starts_a_piece_and_is_not_copied(engine):
+    """In notices and forms ("DATES: The FAA must receive comments by ...") the sentence after a line-start
+    label is a piece of its own; a colon inside a line ("Mail: U.S.", "note: it") is no label."""
+    tok = engine.lm.tokenizer
+    text = ("The FAA is proposing this AD.\nDATES: The FAA must receive comments\non this AD by September 21,\n"
+            "2020.\nFOR FURTHER INFORMATION CONTACT: Ian Won, FAA.\nSend mail: to the docket.")
+    texts = [p.text for p in pieces_of(text, 0, len(text), tok, 64)]
+    assert texts == ["The FAA is proposing this AD.",
+                     "The FAA must receive comments\non this AD by September 21,\n2020.",
+                     "Ian Won, FAA.", "Send mail: to the docket."]
+
+
+def test_the_federal_register_dates_sentence_is_copyable_on_its_own(engine):
+    """The real PDF's page 1: its DATES field is a piece without the label, at the span of that text."""
+    from app.ingest import load_document
+    doc = load_document(shared("pdf", "federal-register-2020-17221.pdf"))
+    pieces = pieces_of(doc.text, 0, doc.page_starts[1], engine.lm.tokenizer, 96)
+    dates = [p for p in pieces if "must receive comments" in p.text]
+    assert [p.text for p in dates] == ["The FAA must receive comments\non this proposed AD by September 21,\n2020."]
+    assert doc.text[dates[0].span[0] - len("DATES: "):dates[0].span[1]].startswith("DATES: The FAA")
+    assert not any(p.text in ("DATES:", "SUMMARY:", "ADDRESSES:") for p in pieces)
+
+
 def test_extractive_note_follows_the_model_within_the_trie(engine):
     """Greedy constrained choice equals the unconstrained argmax whenever that argmax is an allowed token: a
     segment whose sentence the model would copy anyway comes out as that sentence."""
