@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scrat
 from .model import LoadedModel, load_model, release_freed_memory
 from .prompts import PromptLayout
 from .segment import Segment, segment
+from .windows import Window, Windows
 
 MODES = ("wim", "llm", "rag")
 WINDOWS = ("new", "sliding")
@@ -99,27 +99,6 @@ class MarginNote:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-@dataclass
-class Window:
-    """One context window of a reading: what remargin() needs to write new margins in it without reading
-    its segments again. The live window is in the reading's cache; a window left behind keeps its cache in
-    `tensors` (memory) or at `path` (safetensors), or nowhere (then a follow-up re-reads it)."""
-    index: int
-    prefix_ids: list[int]
-    doc_end: int = 0                                           # cache length after its last segment
-    boundaries: dict[int, int] = field(default_factory=dict)   # segment index -> cache length after it
-    tensors: dict[str, torch.Tensor] | None = None
-    path: str | None = None
-
-    @property
-    def segments(self) -> list[int]:
-        return list(self.boundaries)
-
-    @property
-    def kept(self) -> bool:
-        return self.tensors is not None or self.path is not None
-
-
 class Engine:
     """One loaded model; opens readings of documents."""
 
@@ -173,10 +152,9 @@ class Reading:
         self.read_segments: list[int] = []   # segments in the cache, in order
         self.doc_end = 0                     # cache length at the end of the last segment read
         self.window = 0                      # index of the window being read (sliding: evictions so far)
-        self.windows: list[Window] = []      # every window so far; the last one is in `self.cache`
+        self.window_store = Windows(settings.window_cache_budget_bytes, settings.window_cache_disk,
+                                    settings.keep_windows)
         self.cache_window: Window | None = None  # the window the cache holds (another one mid-remargin)
-        self.kept_bytes = 0                  # window caches held in memory
-        self._spill: tempfile.TemporaryDirectory | None = None  # window caches on disk, removed with the reading
         self.document_tokens_prefilled = 0   # document tokens fed to the model over this reading's life
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
@@ -185,6 +163,11 @@ class Reading:
     @property
     def segments(self) -> list[Segment]:
         return self.doc.segments
+
+    @property
+    def windows(self) -> list[Window]:
+        """Every window so far; the last one is in `self.cache`."""
+        return self.window_store.all
 
     def _plan_windows(self) -> None:
         """Decide whether the text fits one window. If not: `wim` reads it in several windows (earlier text is
@@ -246,8 +229,7 @@ class Reading:
         try:
             self.runner.prefill(self.layout.prefix, self.cache, stop)
             self.doc_end = self.cache.length
-            self.windows.append(Window(0, list(self.layout.prefix), self.doc_end))
-            self.cache_window = self.windows[-1]
+            self.cache_window = self.window_store.start(0, self.layout.prefix, self.doc_end)
             for seg in self.segments:
                 if (chosen is not None and seg.index not in chosen) or seg.index in self.skipped:
                     continue
@@ -375,8 +357,7 @@ class Reading:
         with self.engine.lock:
             self.runner.prefill(prefix, self.cache, stop)
         self.doc_end = self.cache.length
-        self.windows.append(Window(self.window, prefix, self.doc_end))
-        self.cache_window = self.windows[-1]
+        self.cache_window = self.window_store.start(self.window, prefix, self.doc_end)
         yield WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
 
     def _slide(self, seg: Segment) -> WindowStart:
@@ -400,49 +381,10 @@ class Reading:
 
     # ---- window caches kept for follow-up questions ------------------------------------------------------
     def _keep_window(self, window: Window) -> Notice | None:
-        """Keep the cache (which holds `window`, up to its last segment) for remargin(): in memory while the
-        budget allows, else on disk; a Notice when neither can take it."""
-        if not self.settings.keep_windows:  # the caller will ask no follow-up: keeping would cost for nothing
-            return None
-        if not hasattr(self.cache, "state") or self.settings.window != "new":
-            return Notice(f"The cache of window {window.index + 1} is not kept ({self.cache.kind} cache): a "
-                          "follow-up question will read that part again.")
-        self.cache.truncate(window.doc_end)
-        state = self.cache.state()
-        size = self._state_bytes(state)
-        if self.kept_bytes + size <= self.settings.window_cache_budget_bytes:
-            window.tensors = {k: v.clone() for k, v in state.items()}
-            self.kept_bytes += size
-            return None
-        why = f"{(self.kept_bytes + size) / 2**20:,.0f} MiB would pass the memory budget of " \
-              f"{self.settings.window_cache_budget_bytes / 2**20:,.0f} MiB"
-        if self.settings.window_cache_disk:
-            try:
-                if self._spill is None:
-                    self._spill = tempfile.TemporaryDirectory(prefix="marginalia-windows-")
-                free = shutil.disk_usage(self._spill.name).free
-                if free < size + 256 * 2**20:
-                    raise OSError(f"only {free / 2**20:,.0f} MiB free on disk")
-                path = os.path.join(self._spill.name, f"window-{window.index}.safetensors")
-                self.cache.save(path)
-                window.path = path
-                return None
-            except OSError as e:
-                why += f", and it could not be saved to disk ({e})"
-        else:
-            why += " and saving to disk is off"
-        return Notice(f"The cache of window {window.index + 1} is not kept ({why}): a follow-up question will "
-                      f"read segments {window.segments[0] + 1}-{window.segments[-1] + 1} again.")
+        return self.window_store.keep(window, self.cache, sliding=self.settings.window != "new")
 
     def _load_window(self, window: Window) -> None:
-        """Put a kept window's cache back into the reading's cache (from disk: memory-mapped by safetensors
-        and copied once into the preallocated buffers)."""
-        if window.tensors is not None:
-            tensors = window.tensors
-        else:
-            from safetensors.torch import load_file
-            tensors = load_file(window.path)
-        self.cache.load_state(tensors, self.engine.lm.device)
+        Windows.load(window, self.cache, self.engine.lm.device)
         self.doc_end = window.doc_end
         self.cache_window = window
 
@@ -462,44 +404,17 @@ class Reading:
         newest first while the cap allows; a follow-up re-reads the windows left out."""
         if not hasattr(self.cache, "save"):
             raise RuntimeError(f"a {self.cache.kind} cache cannot be saved")
-        from safetensors.torch import save_file
         folder = Path(folder)
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        self.cache.truncate(self.windows[-1].doc_end)
-        left = float("inf") if max_bytes is None else max_bytes - self._state_bytes(self.cache.state())
-        saved = {self.windows[-1].index}
-        for window in reversed(self.windows[:-1]):
-            size = (self._state_bytes(window.tensors) if window.tensors is not None
-                    else os.path.getsize(window.path) if window.path else None)
-            if size is not None and size <= left:
-                saved.add(window.index)
-                left -= size
-        windows = []
-        for window in self.windows:
-            name = f"window-{window.index}.safetensors"
-            if window.index not in saved:
-                name = None  # not kept, or past max_bytes: a follow-up re-reads it
-            elif window is self.windows[-1]:
-                self.cache.truncate(window.doc_end)
-                self.cache.save(partial / name)
-            elif window.tensors is not None:
-                save_file({k: v.contiguous() for k, v in window.tensors.items()}, str(partial / name))
-            else:
-                shutil.copyfile(window.path, partial / name)
-            windows.append({"index": window.index, "prefix_ids": window.prefix_ids, "doc_end": window.doc_end,
-                            "boundaries": list(window.boundaries.items()), "file": name})
+        windows = self.window_store.save(partial, self.cache, max_bytes)
         meta = {"fingerprint": self.fingerprint(), "query": self.query, "window": self.window,
                 "read_segments": self.read_segments, "windows": windows,
                 "margins": [asdict(m) for m in self.margins.values()]}
         (partial / self.SAVED).write_text(json.dumps(meta), encoding="utf-8")
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
-
-    @staticmethod
-    def _state_bytes(state: dict) -> int:
-        return sum(t.numel() * t.element_size() for t in state.values())
 
     def restore(self, folder: str | os.PathLike) -> bool:
         """Take up a reading saved by save() (in this or another process): the last window goes into the
@@ -513,21 +428,12 @@ class Reading:
         if meta.get("fingerprint") != self.fingerprint():
             return False
         self._reset(Meter())
-        for w in meta["windows"]:
-            self.windows.append(Window(w["index"], w["prefix_ids"], w["doc_end"], dict(map(tuple, w["boundaries"])),
-                                       path=str(folder / w["file"]) if w["file"] else None))
+        self.window_store.restore(meta["windows"], folder)
         self._load_window(self.windows[-1])
         self.window, self.query = meta["window"], meta["query"]
         self.read_segments[:] = meta["read_segments"]
         self.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
         return True
-
-    def _forget_windows(self) -> None:
-        for window in self.windows:
-            if window.path and self._spill and window.path.startswith(self._spill.name):
-                Path(window.path).unlink(missing_ok=True)
-        self.windows.clear()
-        self.kept_bytes = 0
 
     def _reset(self, meter: Meter) -> None:
         self.meter = self.runner.meter = meter
@@ -537,7 +443,7 @@ class Reading:
         self.doc_end = 0
         self.window = 0
         self.cache_window = None
-        self._forget_windows()
+        self.window_store.forget()
 
     def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
                       visible: int | None = None) -> Iterator[Event]:

@@ -53,7 +53,7 @@ def test_sliding_cache_reads_three_windows_in_bounded_memory(engine):
     slides = [e for e in events if isinstance(e, WindowStart)]
     assert all(e.reason.startswith("sliding") and e.carried_margins == 0 for e in slides)
     # One cache, nothing kept beside it; the instruction prefix (the attention sink) stayed at its place.
-    assert len(reading.windows) == 1 and reading.kept_bytes == 0 and not reading.windows[0].kept
+    assert len(reading.windows) == 1 and reading.window_store.kept_bytes == 0 and not reading.windows[0].kept
     # The cache ends with the most recent segments, each boundary where its tokens end.
     kept, n = reading.windows[0].segments, len(reading.segments)
     assert 0 < len(kept) < n and kept == list(range(n - len(kept), n))
