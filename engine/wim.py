@@ -34,7 +34,7 @@ from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
 from .batch_scratch import BatchScratch
 from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .model import LoadedModel, load_model, release_freed_memory
-from .prompts import PromptLayout
+from .prompts import PromptLayout, fit_notes
 from .segment import Segment, segment
 from .windows import Window, Windows
 
@@ -350,8 +350,9 @@ class Reading:
         if notice:
             yield notice
         notes = {i: self.margins[i].text for i in self.default_selection()}
-        prefix, notes, _ = self._fit_notes(notes, lambda lines: self.layout.window_prefix(lines or "(none so far)"),
-                                           len(self.layout.prefix) + self.limit // 4, in_cache=set())
+        prefix, notes, _ = fit_notes(notes, self._note_scores(),
+                                     lambda lines: self.layout.window_prefix(lines or "(none so far)"),
+                                     len(self.layout.prefix) + self.limit // 4, in_cache=set())
         self.window += 1
         self.cache.truncate(0)
         with self.engine.lock:
@@ -600,28 +601,14 @@ class Reading:
 
     def _answer_prompt(self, query: str, notes: dict[int, str]) -> tuple[list[int], list[int], list[int]]:
         """Answer suffix with as many of the chosen margins as fit before the answer's own room."""
-        return self._fit_notes(notes, lambda lines: self.layout.suffix("answer", query=query, margins=lines or "(none)"),
-                               self.limit - self.doc_end - self.settings.answer_tokens,
-                               in_cache=set(self.windows[-1].segments) if self.windows else set())
+        return fit_notes(notes, self._note_scores(),
+                         lambda lines: self.layout.suffix("answer", query=query, margins=lines or "(none)"),
+                         self.limit - self.doc_end - self.settings.answer_tokens,
+                         in_cache=set(self.windows[-1].segments) if self.windows else set())
 
-    def _fit_notes(self, notes: dict[int, str], build, room: int, in_cache: set[int]
-                   ) -> tuple[list[int], list[int], list[int]]:
-        """(ids, used, dropped): the prompt `build(lines)` made with as many of `notes` (in text order) as fit
-        in `room` tokens. Given up first, when not all fit: notes on segments whose text is in the cache anyway
-        (the prompt follows that text), then the lowest classifier scores, then the earliest. A whole novel has
-        ~130 kept margins and room for ~25: keeping the first 25 would lose every late chapter."""
-        def score(i: int) -> float:
-            note = self.margins.get(i)
-            return 1.0 if note is None or note.score is None else note.score
-        give_up = iter(sorted(notes, key=lambda i: (i not in in_cache, score(i), i)))
-        used, dropped = list(notes), []
-        while True:
-            ids = build("\n".join(f"- (part {i + 1}) {notes[i]}" for i in used))
-            if len(ids) <= room or not used:
-                return ids, used, sorted(dropped)
-            victim = next(give_up)
-            used.remove(victim)
-            dropped.append(victim)
+    def _note_scores(self) -> dict[int, float]:
+        """The classifier's score of each margin written (1.0 where it gave none)."""
+        return {i: 1.0 if m.score is None else m.score for i, m in self.margins.items()}
 
     def _stats(self, phase: str, stopped: bool = False) -> Stats:
         """The phase's figures, at its end; what the phase freed goes back to the system first."""
