@@ -107,8 +107,8 @@ class Service:
         self.measured: dict[str, dict] = {}  # model spec -> the speed its warm-up (and readings) measured here
         self._stops: dict[str, threading.Event] = {}
         self._active: dict[str, str] = {}       # session id -> "read" | "answer", while its job runs
-        self._waiting: list[str] = []           # session ids with an engine job queued, oldest first
-        self._queued_by: dict[str, str] = {}    # session id -> the tab whose job for it waits (release_tab)
+        # Engine jobs queued, oldest first: (session id, the browser tab that queued it, for release_tab).
+        self._waiting: list[tuple[str, str | None]] = []
         self._marks: dict[str, dict[int, bool | None]] = {}
         self._segments: OrderedDict[str, list] = OrderedDict()
         # What document_html says of a document under some settings: (tokens, segments, note, problem).
@@ -317,7 +317,7 @@ class Service:
         sid, status = session["id"], session["status"]
         if sid in self._active:
             return "answering" if self._active[sid] == "answer" else "reading"
-        if sid in self._waiting:
+        if self._queued(sid):
             return "queued"
         if status in ("reading", "new"):
             return "interrupted"  # the app stopped (or crashed) while this was being read
@@ -391,7 +391,7 @@ class Service:
 
     def delete(self, owner: str, session_id: str) -> bool:
         self._session(owner, session_id)
-        if session_id in self._active or session_id in self._waiting:
+        if session_id in self._active or self._queued(session_id):
             raise UserError("This reading is still running: stop it first.")
         worker.forget(session_id)
         saved = self._cache_dir(self.store.get_session(session_id, owner))
@@ -486,7 +486,7 @@ class Service:
     def library_html(self, owner: str, current: str | None = None) -> str:
         rows = self.store.library(owner) if owner else []
         with self._lock:
-            running = set(self._active) | set(self._waiting)
+            running = set(self._active) | {sid for sid, _ in self._waiting}
         return library_html(rows, running, current)
 
     def last_opened(self, owner: str) -> str | None:
@@ -510,29 +510,31 @@ class Service:
     def queue_position(self, session_id: str) -> int:
         """How many engine jobs run or wait before this one."""
         with self._lock:
-            ahead = self._waiting.index(session_id) if session_id in self._waiting else len(self._waiting)
+            queued = [sid for sid, _ in self._waiting]
+            ahead = queued.index(session_id) if session_id in queued else len(queued)
             return ahead + len(self._active)
+
+    def _queued(self, session_id: str) -> bool:
+        return any(sid == session_id for sid, _ in self._waiting)
 
     def _enqueue(self, session_id: str, tab: str | None = None) -> threading.Event:
         """Note a job queued for this session (by browser tab `tab`, if a tab queued it). Jobs of one session
         share a stop flag, so Stop ends the reading and an answer queued behind it; a flag already set (a job
         stopping) is not reused."""
         with self._lock:
-            busy = session_id in self._active or session_id in self._waiting
+            busy = session_id in self._active or self._queued(session_id)
             stop = self._stops.get(session_id)
             if stop is None or stop.is_set() or not busy:
                 stop = self._stops[session_id] = threading.Event()
-            self._waiting.append(session_id)
-            if tab:
-                self._queued_by[session_id] = tab
+            self._waiting.append((session_id, tab))
             return stop
 
     def _begin(self, session_id: str, kind: str) -> threading.Event:
         with self._lock:
-            if session_id in self._waiting:
-                self._waiting.remove(session_id)
-            if session_id not in self._waiting:
-                self._queued_by.pop(session_id, None)
+            # A session's jobs run in the order they were queued: this is its oldest.
+            first = next((k for k, (sid, _) in enumerate(self._waiting) if sid == session_id), None)
+            if first is not None:
+                del self._waiting[first]
             self._active[session_id] = kind
             return self._stops.setdefault(session_id, threading.Event())
 
@@ -541,10 +543,8 @@ class Service:
         queued events when its connection goes, so those jobs never run; left in the queue, their sessions
         would show "queued" and refuse Resume until a restart, and every other reader would count them ahead."""
         with self._lock:
-            gone = [sid for sid, t in self._queued_by.items() if t == tab]
-            for sid in gone:
-                del self._queued_by[sid]
-                self._waiting = [w for w in self._waiting if w != sid]
+            gone = list(dict.fromkeys(sid for sid, t in self._waiting if t == tab))
+            self._waiting = [(sid, t) for sid, t in self._waiting if t != tab]
         return gone
 
     def _end(self, session_id: str) -> None:
@@ -555,7 +555,7 @@ class Service:
         """Ask the running (or queued) job of this session to stop; it ends within one forward pass."""
         self._session(owner, session_id)
         stop = self._stops.get(session_id)
-        if stop is None or (session_id not in self._active and session_id not in self._waiting):
+        if stop is None or (session_id not in self._active and not self._queued(session_id)):
             return False
         stop.set()
         return True
@@ -588,7 +588,7 @@ class Service:
 
     def start_resume(self, owner: str, session_id: str, tab: str | None = None) -> str:
         session = self._session(owner, session_id)
-        if session_id in self._active or session_id in self._waiting:
+        if session_id in self._active or self._queued(session_id):
             raise UserError("This reading is already running.")
         if session["model"] and session["model"] != self.model:
             raise UserError(self._other_model(session, "Resume it"))
@@ -770,7 +770,7 @@ class Service:
         session = self._session(owner, session_id)
         if session["model"] and session["model"] != self.model:
             raise UserError(self._other_model(session, "ask about it"))
-        if session_id in self._active or session_id in self._waiting:
+        if session_id in self._active or self._queued(session_id):
             pass  # queued behind the reading: the answer uses the margins saved by then
         elif not self.store.margins(session_id):
             raise UserError("There are no margins yet: press Read (or Resume) first.")

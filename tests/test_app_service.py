@@ -254,6 +254,22 @@ def test_a_closed_tabs_queued_jobs_are_released(service):
     assert service.release_tab("tab-2") == [second] and service.release_tab("tab-3") == [first]
 
 
+def test_each_queued_job_belongs_to_the_tab_that_queued_it(service):
+    """One session, a job from each of two tabs (Resume in one, a question in the other): closing the first
+    tab drops its job only; the session stays queued for the second tab's until that tab goes too."""
+    first, second = saved_session(service), saved_session(service)
+    service.start_resume("alice", second, tab="tab-0")  # ahead of both, so nothing starts
+    service.start_resume("alice", first, tab="tab-1")
+    service.start_answer("alice", first, "Who is in want of a wife?", tab="tab-2")
+    assert service.queue_position(first) == 1
+    assert service.release_tab("tab-1") == [first]
+    assert service._status(service.store.get_session(first)) == "queued"  # tab-2's question still waits
+    assert service.queue_position(first) == 1
+    assert service.release_tab("tab-2") == [first]
+    assert service._status(service.store.get_session(first)) != "queued"
+    assert service.release_tab("tab-0") == [second] and service._waiting == []
+
+
 def test_warm_up_measures_reading_and_writing(service):
     """The picker shows the loaded model's speed as measured by its warm-up, copied notes (no decode step) or not."""
     rates = service.warm_up()
