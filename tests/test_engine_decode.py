@@ -1,11 +1,12 @@
-"""engine/attention.py's decode path: the model uses it, and it gives what transformers' SDPA gives."""
+"""engine/attention.py's decode and short-pass paths: the model uses them, and they give what transformers' SDPA
+gives."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-from engine.attention import NAME, grouped_decode
+from engine.attention import NAME, grouped_decode, grouped_rows
 from engine.cache import make_cache
 from engine.generate import Runner
 from tests.conftest import TOLERANCE, shared
@@ -70,3 +71,48 @@ def test_decoding_with_it_equals_sdpa(engine):
         runs[name] = step, tokens
     assert (runs[NAME][0] - runs["sdpa"][0]).abs().max().item() <= TOLERANCE["engine"]
     assert runs[NAME][1] == runs["sdpa"][1] and len(runs[NAME][1]) == 16
+
+
+def test_grouped_rows_equal_sdpa_with_a_causal_and_a_scratch_mask(engine):
+    """A pass of several tokens after the cache, grouped per key/value head, against the library's SDPA with the
+    heads repeated, over the real cache's keys and values: a causal mask (boolean, as transformers makes it) and
+    a scratch mask (additive, hiding part of the document as Scratch does). fp32 rounding only."""
+    model = engine.lm.model
+    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
+    cache = make_cache(model, 1024)
+    runner.prefill(ids, cache)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    q, context = 12, cache.length
+    query = torch.randn(1, q, cfg.num_attention_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    query = query.transpose(1, 2)  # as the model hands it over: a view, not contiguous
+    causal = (torch.arange(context)[None, :] <= torch.arange(context - q, context)[:, None])[None, None]
+    scratch = torch.zeros(1, 1, q, context).masked_fill_(~causal, float("-inf"))
+    scratch[..., 300:context - q] = float("-inf")  # rows that see the document up to 300 and their own tokens
+    with torch.inference_mode():
+        for layer in cache.layers[::7]:
+            keys, values = layer.keys[:, :, :context], layer.values[:, :, :context]
+            for mask in (causal, scratch):
+                ours = grouped_rows(query, keys, values, mask, head_dim ** -0.5)
+                theirs = torch.nn.functional.scaled_dot_product_attention(
+                    query, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1),
+                    attn_mask=mask, scale=head_dim ** -0.5).transpose(1, 2)
+                assert ours.shape == theirs.shape == (1, q, cfg.num_attention_heads, head_dim)
+                assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_short_passes_with_it_equal_sdpa(engine):
+    """Whole passes of 2, 9 and 40 tokens after 600 cached tokens (the sizes of copied sentences and margin
+    instructions): the logits of every position agree with the library's `sdpa` within fp32 tolerance."""
+    model = engine.lm.model
+    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
+    cache = make_cache(model, 1024)
+    runner.prefill(ids[:600], cache)
+    for n in (2, 9, 40):
+        out = {}
+        for name in (NAME, "sdpa"):
+            with _attention(model, name):
+                out[name] = runner.forward(ids[600:600 + n], cache, all_logits=True)
+                cache.truncate(600)
+        assert (out[NAME] - out["sdpa"]).abs().max().item() <= TOLERANCE["engine"]
