@@ -23,6 +23,7 @@ from engine import Answer, Margin, Settings, Stats
 from engine.cache import make_cache
 from engine.classify import Classifier, LLMClassifier
 from engine.generate import PREFILL_CHUNK, Meter, Runner
+from engine.margins import Note, Scratch
 from engine.prompts import prompt
 
 from .common import fixed_length
@@ -65,8 +66,9 @@ class Run:
 
 def run_mode(engine, mode: str, text: str, query: str, settings: Settings, followup: str | None = None,
              fixed: bool = True) -> Run:
-    """Read `text`, answer `query` (and `followup`, wim only). `fixed`: decode every margin and answer to its
-    full length, so all modes decode the same number of tokens."""
+    """Read `text`, answer `query` (and `followup`, wim only). `fixed`: decode every answer, and every free-form
+    margin, to its full length, so that all modes decode the same number of tokens there. Copied (extractive)
+    notes end where the model ends them in every mode: their length is a choice among the text's sentences."""
     if mode in ("wim", "plain"):
         return _engine_run(engine, mode, text, query, settings, followup, fixed)
     if mode == "naive":
@@ -99,12 +101,27 @@ def _collect(events, run: Run) -> None:
             run.add(ev)
 
 
+def _fixed(fixed: bool, *runners):
+    """fixed_length over `runners` when `fixed`, else nothing."""
+    return fixed_length(*runners) if fixed else nullcontext()
+
+
+def _note(writing) -> Note:
+    """Run a margin writer (engine/margins.py) to its end; its Note."""
+    while True:
+        try:
+            next(writing)
+        except StopIteration as done:
+            return done.value
+
+
 def _engine_run(engine, mode, text, query, settings, followup, fixed) -> Run:
     reading = engine.open(text, replace(settings, mode="llm" if mode == "plain" else "wim"))
     run = Run(mode)
-    with fixed_length(reading.runner) if fixed else nullcontext():
-        t = time.perf_counter()
+    t = time.perf_counter()
+    with _fixed(fixed and settings.margins == "abstractive", reading.runner):
         _collect(reading.read(query), run)
+    with _fixed(fixed, reading.runner):
         _collect(reading.answer(query), run)
         run.seconds = time.perf_counter() - t
         if followup and mode == "wim":
@@ -118,34 +135,45 @@ def _engine_run(engine, mode, text, query, settings, followup, fixed) -> Run:
 
 def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
     """Pass 1: one fresh cache per segment holding the prefix, that segment (the same tokens WiM reads), the
-    margin instruction and the note. Pass 2: the engine's reader on a fresh cache reads the whole text again,
-    given the pass-1 notes (a resumed reading writes none), then answers with the notes the classifier kept."""
-    lm, layout = engine.lm, engine.layout
+    margin instruction and the note, written and judged as the engine writes and judges them (with the
+    instruction in the segment's last pass, as the engine feeds it). Pass 2: the engine's reader on a fresh
+    cache reads the whole text again, given the pass-1 notes (a resumed reading writes none), then answers with
+    the notes the classifier kept. The document is prefilled twice."""
+    layout = engine.layout
     whole = engine.open(text, replace(settings, mode="wim"))
-    runner = lm.runner(Meter())
+    runner = whole.runner
+    pass1 = runner.meter = Meter()  # pass 2 (whole.read) meters itself afresh
     classifier = Classifier(settings.classifier, runner, layout, settings.embedding_threshold)
-    margin_suffix = layout.suffix("margin", query=query)
+    instruction = whole._instruction(query)
     run = Run("naive")
-    notes: dict[int, str] = {}
-    kept: list[int] = []
-    with fixed_length(runner, whole.runner) if fixed else nullcontext():
-        t = time.perf_counter()
+    t = time.perf_counter()
+    with _fixed(fixed and settings.margins == "abstractive", runner):
         for seg in whole.segments:
             # Just big enough for this segment and its note: fresh, and not 8k tokens of zeros each time.
-            cache = runner.new_cache(len(layout.prefix) + seg.tokens + len(margin_suffix) + settings.margin_tokens)
+            cache = runner.new_cache(len(layout.prefix) + seg.tokens + len(instruction) + settings.margin_tokens
+                                     + 16)
             runner.prefill(layout.prefix, cache)
-            runner.prefill(whole.doc.segment_ids(seg), cache)
-            logits = runner.prefill(margin_suffix, cache)
-            notes[seg.index] = "".join(p for _, p in runner.decode(cache, logits, settings.margin_tokens)).strip()
-            relevant, _ = classifier(query, notes[seg.index])
-            if relevant is None or relevant:
-                kept.append(seg.index)
+            if whole._folds_instruction():
+                logits = runner.prefill(whole.doc.segment_ids(seg), cache, then=instruction)
+                doc_end = cache.length - len(instruction)
+                scratch = Scratch(runner, cache, doc_end, None, None, (instruction, logits))
+            else:  # a server backend: its own scratch, the instruction sent with the note's request
+                runner.prefill(whole.doc.segment_ids(seg), cache)
+                scratch = runner.scratch(cache, cache.length)
+            writer, pieces = whole._margin_writer(seg)
+            note = _note(writer.write(scratch, instruction, pieces))
+            list(whole._file_margin(seg, note, query, classifier, None, 0.0))
+            list(runner.drain())
         pass1_kv = cache.nbytes() + _classifier_scratch_bytes(engine, whole)
         del cache
-        _collect(whole.read(query, skip=notes), run)
-        _collect(whole.answer(query, margins={i: notes[i] for i in kept if notes[i]}), run)
-        run.seconds = time.perf_counter() - t
-    run.add(runner.meter)
+    first = dict(whole.margins)
+    notes = {i: m.text for i, m in first.items()}
+    kept = whole.default_selection()
+    _collect(whole.read(query, skip=notes), run)
+    with _fixed(fixed, whole.runner):
+        _collect(whole.answer(query, margins={i: notes[i] for i in kept}), run)
+    run.seconds = time.perf_counter() - t
+    run.add(pass1)
     run.margins = [(i, notes[i], i in kept) for i in sorted(notes)]
     run.kv_bytes = max(pass1_kv, whole.cache.nbytes())
     return run
@@ -185,15 +213,20 @@ class _ReferenceRunner:
         self.peak_kv = max(self.peak_kv, sum(_dynamic_bytes(c) for c in self.caches))
         return out.logits[0, -1].float()
 
-    def prefill(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
-        # In the engine's pass size (engine/generate.py): the same work, and the same rounding, so that the
-        # margins and answers of the two patterns can be compared token for token (in bf16 a 934-token pass
-        # and passes of 512 + 422 round differently, enough to change a greedy token).
+    def prefill(self, ids: list[int], cache: DynamicCache, then: list[int] = ()) -> torch.Tensor:
+        # In the engine's passes (engine/generate.py: PREFILL_CHUNK tokens, `then` riding in the last one): the
+        # same work, and the same rounding, so that the margins and answers of the two patterns can be compared
+        # token for token (in bf16 a 934-token pass and passes of 512 + 422 round differently, enough to change
+        # a greedy token).
         t = time.perf_counter()
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            logits = self.forward(ids[start:start + PREFILL_CHUNK], cache)
+        passes = [list(ids[start:start + PREFILL_CHUNK]) for start in range(0, len(ids), PREFILL_CHUNK)]
+        if then:
+            passes = passes or [[]]
+            passes[-1] += then
+        for chunk in passes:
+            logits = self.forward(chunk, cache)
         self.meter.prefill_seconds += time.perf_counter() - t
-        self.meter.prefill_tokens += len(ids)
+        self.meter.prefill_tokens += len(ids) + len(then)
         return logits
 
     def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> str:
@@ -213,38 +246,68 @@ class _ReferenceRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
 
 
+class _ReferenceScratch:
+    """engine/margins.py's Scratch over the reference's DynamicCache, for the copying writer: the note's tokens
+    are fed after the document with the reference's forward pass, and metered the way Scratch meters them."""
+    visible = None
+
+    def __init__(self, ref: _ReferenceRunner, cache: DynamicCache, fed: tuple[list[int], torch.Tensor]):
+        self.runner, self.cache, self.fed_ahead = ref, cache, fed
+
+    def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
+        if self.fed_ahead is not None:  # the instruction, fed with the segment's last pass
+            ahead, logits = self.fed_ahead
+            self.fed_ahead = None
+            assert ids == ahead
+            return torch.log_softmax(logits, dim=-1)
+        t = time.perf_counter()
+        logits = self.runner.forward(ids, self.cache)
+        if len(ids) == 1:
+            self.runner.meter.decode_seconds += time.perf_counter() - t
+        else:
+            self.runner.meter.prefill_tokens += len(ids)
+            self.runner.meter.prefill_seconds += time.perf_counter() - t
+        return torch.log_softmax(logits, dim=-1)
+
+
 def _reference_pattern(engine, text, query, settings, fixed) -> Run:
-    if settings.classifier not in ("llm", "none"):
-        raise ValueError("the reference pattern classifies with the model itself (classifier llm) or not at all")
-    # The engine's reading of the same text gives the same segments and the same answer prompt; its own
+    if settings.classifier not in ("llm", "margin", "none"):
+        raise ValueError("the reference pattern judges notes with the model itself (classifier llm or margin) "
+                         "or not at all")
+    # The engine's reading of the same text gives the same segments, margin writers and answer prompt; its own
     # cache is allocated on first use, which never comes.
     reading = engine.open(text, replace(settings, mode="wim"))
     layout = engine.layout
     judge = LLMClassifier(reading.runner, layout)  # for its YES/NO token sets and prompt length limit
     ref = _ReferenceRunner(engine, set() if fixed else reading.runner.stop_ids)
     doc, scratch = ref.new_cache(), ref.new_cache()
+    instruction = reading._instruction(query)
     run = Run("reference")
     notes: dict[int, str] = {}
     kept: list[int] = []
     t = time.perf_counter()
     ref.prefill(layout.prefix, doc)
     for seg in reading.segments:
-        ref.prefill(reading.doc.segment_ids(seg), doc)
-        boundary = doc.get_seq_length()
-        logits = ref.prefill(layout.suffix("margin", query=query), doc)
-        notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)
+        logits = ref.prefill(reading.doc.segment_ids(seg), doc, then=instruction)
+        boundary = doc.get_seq_length() - len(instruction)
+        if settings.margins == "abstractive":
+            notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)
+        else:
+            writer, pieces = reading._margin_writer(seg)
+            notes[seg.index] = _note(writer.write(_ReferenceScratch(ref, doc, (instruction, logits)), instruction,
+                                                  pieces)).text
         doc.crop(boundary - doc.get_seq_length())  # slicing back to the segment boundary
-        if settings.classifier == "llm":
+        if settings.classifier == "llm" and notes[seg.index]:
             ids = layout.standalone("classify", query=query, margin=notes[seg.index])[-judge.scratch.capacity:]
             probs = torch.softmax(ref.prefill(ids, scratch), dim=-1)
             yes, no = float(probs[list(judge.yes)].sum()), float(probs[list(judge.no)].sum())
             if (yes / (yes + no) if yes + no > 0 else 0.0) >= 0.5:
                 kept.append(seg.index)
             scratch.crop(-scratch.get_seq_length())  # the public code empties its classifier cache the same way
-        else:
-            kept.append(seg.index)
+        elif settings.classifier != "llm" and notes[seg.index]:
+            kept.append(seg.index)  # margin relevance: a note the model chose to write is kept (as the engine)
     reading.doc_end = doc.get_seq_length()  # the engine's reading never read: give it this cache's length
-    ids, used, _ = reading._answer_prompt(query, {i: notes[i] for i in kept if notes[i]})
+    ids, used, _ = reading._answer_prompt(query, {i: notes[i] for i in kept})
     logits = ref.prefill(ids, doc)
     room = reading.limit - doc.get_seq_length()
     run.answer = ref.decode(doc, logits, min(settings.answer_tokens, room))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .common import (RESULTS, book, fmt_bytes, load_engine, machine, md_table, median, n_tokens, peak_rss_bytes,
@@ -44,6 +44,10 @@ class Config:
     steps: int = 5                              # decode steps per context (median)
     gemm: int = 2048                            # fp32 matmul size for the machine's throughput
     gemm_bf16: int = 512                        # bf16 is emulated on CPUs without bf16 units: keep it small
+    margins: str = "extractive"                 # the engine's default; abstractive: free-form notes
+    # The reading window: the embedded model's whole context. A model with a longer one reads the same documents
+    # in the same window (and allocates the same KV cache), so that every model is measured on one shape.
+    window: int = 8192
 
 
 FULL = Config(
@@ -61,15 +65,18 @@ def document(tokenizer, tokens: int) -> str:
 
 
 def settings_for(tokenizer, text: str, cfg: Config) -> dict:
-    return dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,
-                answer_tokens=cfg.answer_tokens, classifier="llm", temperature=0.0,
-                # The reading patterns compared here all write free-form notes, decoded to full length
-                # (extractive notes and their cost: bench/margin_styles.py).
-                margins="abstractive")
+    """The engine's default settings (copied notes judged by their own relevance), sized for the benchmark;
+    or, with `margins="abstractive"`, the paper's free-form notes and a YES/NO classifier, every note decoded
+    to its full length (what an earlier version of this benchmark measured)."""
+    sized = dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,
+                 answer_tokens=cfg.answer_tokens, temperature=0.0, context_limit=cfg.window)
+    if cfg.margins == "abstractive":
+        return sized | dict(margins="abstractive", classifier="llm")
+    return sized
 
 
 # ---- worker process: one mode, one document size ----------------------------------------------------------------
-def worker(device: str | None, dtype: str | None) -> None:
+def worker(device: str | None, dtype: str | None, model: str) -> None:
     """Load the model, then answer JSON commands on stdin with JSON results on stdout (one line each)."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed (progress bars, warnings) goes to stderr, never into the protocol
@@ -77,7 +84,7 @@ def worker(device: str | None, dtype: str | None) -> None:
     from engine import Settings
     from .baselines import run_mode
     runtime_rss = rss_bytes()  # Python + torch + transformers, before the model
-    engine = load_engine(device, dtype)
+    engine = load_engine(device, dtype, model)
     cuda = engine.lm.device.type == "cuda"
     weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters())
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[1].glob("engine/*.py"))
@@ -114,6 +121,7 @@ class Worker:
         cmd = [sys.executable, "-m", "bench.speed", "--worker"]
         cmd += [f"--device={args.device}"] if args.device else []
         cmd += [f"--dtype={args.dtype}"] if args.dtype else []
+        cmd += [f"--model={args.model}"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log.open("w"), text=True, bufsize=1, cwd=Path(__file__).parents[1])
         self.info: dict = {}
@@ -375,12 +383,15 @@ def mode_runs(cfg: Config, args, tokenizer, progress: Progress, log) -> tuple[di
         todo = [(rep, m) for rep, m in plan if progress.get(f"run/{size}/{m}/{rep}") is None]
         log(f"document {size}: {docs[size]['tokens']} tokens, segments of <= {settings['segment_tokens']}; "
             f"{len(plan) - len(todo)} of {len(plan)} runs already done")
-        # Loaded together (nothing is timed while they load); each mode in a process of its own.
-        workers = {m: Worker(m, args, log_dir) for m in MODES if any(m == mode for _, mode in todo)}
+        # Each mode in a process of its own, loaded one after the other (a load's transient peak is well above
+        # what the model then holds: ~10 GiB for the 1.5B model's 3.5 GB); nothing is timed while they load.
+        workers = {}
+        for m in [m for m in MODES if any(m == mode for _, mode in todo)]:
+            workers[m] = Worker(m, args, log_dir)
+            workers[m].info = workers[m].receive()
         warm_text = document(tokenizer, 160)
         warm = dict(settings_for(tokenizer, warm_text, cfg), segment_tokens=96, margin_tokens=2, answer_tokens=2)
         for m, w in workers.items():
-            w.info = w.receive()
             # One at a time: two multi-threaded processes on the same cores slow each other far more than 2x.
             w.ask(mode=m, text=warm_text, query=QUERY, settings=warm, warmup=True)
         for rep, m in todo:
@@ -494,9 +505,14 @@ def summary(rows: dict) -> list[list]:
 
 def markdown(data: dict) -> str:
     meta, rows = data["meta"], data["rows"]
+    notes = ("the engine's default settings: copied (extractive) notes judged by their own relevance, each ending "
+             "where the model ends it, every answer decoded to its full length"
+             if meta.get("margins", "abstractive") == "extractive" else
+             "free-form (abstractive) notes and a YES/NO classifier, every margin and answer decoded to its full "
+             "length")
     parts = [f"# Speed and memory\n\n{meta['model']}, {meta['dtype']} on {meta['device']} ({meta['machine']['cpu']}, "
              f"{meta['machine']['torch_threads']} threads); {meta['segments']} segments, {meta['margin_tokens']}-token "
-             f"margins, {meta['answer_tokens']}-token answers, every margin and answer decoded to full length; "
+             f"margin cap, {meta['answer_tokens']}-token answers; {notes}; "
              f"medians of n runs. Wall time {meta['wall_seconds'] / 60:.1f} min; CPU load average during the runs "
              f"{meta['load']['median']:.1f} (min {meta['load']['min']:.1f}, max {meta['load']['max']:.1f}) on "
              f"{meta['machine']['cores']} cores: the CPU was shared, so compare ratios, not seconds.\n",
@@ -553,28 +569,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
                                                                 "--quick requires it)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions for every mode (default: per config)")
+    parser.add_argument("--model", default="embedded",
+                        help="the model to measure (anything the engine's --model takes; default: the embedded "
+                             "SmolLM2-135M; qwen2.5-1.5b: the app's default). Results: speed.md for the embedded "
+                             "model, speed_<model>.md for another")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="default: the engine's choice (fp32 on this CPU)")
+    parser.add_argument("--margins", choices=("extractive", "abstractive"), default="extractive",
+                        help="extractive: the engine's defaults (results: speed.md); abstractive: free-form notes "
+                             "decoded to full length (speed_abstractive.md)")
     parser.add_argument("--fresh", action="store_true", help="start over instead of resuming a stopped run")
     parser.add_argument("--redo", action="append", default=[], metavar="PIECE",
                         help="measure again the finished pieces whose id starts with PIECE (micro, run/4000, ...)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.device, args.dtype)
+        worker(args.device, args.dtype, args.model)
         return 0
     if args.quick and args.out is None:
         parser.error("--quick writes only to a folder given by --out (never over bench/results)")
-    cfg = QUICK if args.quick else FULL
+    cfg = replace(QUICK if args.quick else FULL, margins=args.margins)
+    name = "speed" + ("" if args.model == "embedded" else f"_{args.model}") + \
+        ("" if args.margins == "extractive" else f"_{args.margins}")
     started = time.perf_counter()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
 
     out = args.out or RESULTS
-    progress = Progress(out / "speed_progress.jsonl", {"config": asdict(cfg), "reps": args.reps,
-                                                       "device": args.device, "dtype": args.dtype}, args.fresh)
-    engine = load_engine(args.device, args.dtype)
+    progress = Progress(out / f"{name}_progress.jsonl", {"config": asdict(cfg), "reps": args.reps,
+                                                       "device": args.device, "dtype": args.dtype,
+                                                       "model": args.model}, args.fresh)
+    engine = load_engine(args.device, args.dtype, args.model)
     lm = engine.lm
     log(f"{lm.name}, {lm.dtype} on {lm.device}")
     for piece in [p for p in progress.done if any(p.startswith(prefix) for prefix in args.redo)]:
@@ -586,9 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = lm.tokenizer
     meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
             "machine": machine(), "quick": args.quick, "segments": cfg.segments, "margin_tokens": cfg.margin_tokens,
-            "answer_tokens": cfg.answer_tokens, "config": asdict(cfg), "gemm": micro["gemm"],
+            "answer_tokens": cfg.answer_tokens, "margins": cfg.margins, "config": asdict(cfg), "gemm": micro["gemm"],
             "shape": micro["shape"], "weight_flops_per_token": micro["weight_flops_per_token"]}
     del engine, lm
+    from engine.model import release_freed_memory
+    release_freed_memory()  # the workers load their own copies: give this process's back first
     runs, workers_info, docs = mode_runs(cfg, args, tokenizer, progress, log)
     meta["documents"] = docs
     loads = [r[k] for size in runs.values() for rs in size.values() for r in rs for k in ("load_before", "load_after")]
@@ -598,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"meta": meta, "targets": TARGETS, "rows": rows, "runs": runs}
     md = markdown(data)
     meta["code_versions"] = sorted({w["code"] for size in workers_info.values() for w in size.values()})
-    paths = write_results(out, "speed", data, md)
+    paths = write_results(out, name, data, md)
     progress.path.unlink()  # everything is in speed.json now; the next run starts afresh
     print()
     print(md_table(["row", "measure", "where", "value", "target", "met", "n"], summary(rows)))

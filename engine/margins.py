@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from .classify import says_nothing
-from .generate import DecodeResult, pick_token
+from .generate import DecodeResult, Stopped, pick_token
 
 MARGIN_STYLES = ("extractive", "scored", "abstractive")
 MARKER = "NONE"                                   # what the prompts ask for when a part has nothing relevant
@@ -51,10 +51,14 @@ class Scratch:
     margins (`visible` set) they sit in spare room after the document, positioned after boundary `visible`, with
     a mask that lets them see the cache up to there and the scratch tokens before them."""
 
-    def __init__(self, runner, cache, doc_end: int, visible: int | None, stop):
+    def __init__(self, runner, cache, doc_end: int, visible: int | None, stop,
+                 fed: tuple[list[int], torch.Tensor] | None = None):
+        """`fed`: (ids, logits) of tokens already in the cache after `doc_end` (the instruction, fed with its
+        segment's last pass): the first feed of those ids returns their logits without a pass."""
         self.runner, self.cache, self.doc_end, self.stop = runner, cache, doc_end, stop
         self.visible = visible
         self.dtype = runner.model.dtype
+        self.fed_ahead = fed
 
     @property
     def fed(self) -> int:
@@ -88,6 +92,14 @@ class Scratch:
         writer may choose; a server backend's scratch needs them, this one computes every token's). Several
         tokens are metered as prefill; the time of one token goes to decoding (who chose it counts it:
         Runner.decode, or the extractive writer)."""
+        if self.fed_ahead is not None:
+            ahead, logits = self.fed_ahead
+            self.fed_ahead = None
+            if ids != ahead or self.fed != len(ahead):
+                raise ValueError("the scratch's first feed must be the tokens fed ahead")
+            if self.stop is not None and self.stop.is_set():
+                raise Stopped()
+            return torch.log_softmax(logits.float(), dim=-1)  # metered as prefill when they were fed
         t = time.perf_counter()
         logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(ids)]),
                                      position_start=self.position)

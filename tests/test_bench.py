@@ -39,7 +39,8 @@ def test_speed_quick(tmp_path):
     assert all(r["identical"] for r in rows["3_reference_vs_wim"])
     for r in rows["1_wim_vs_plain"]:  # token accounting of both sides
         assert all(_number(r["tokens"][m][k]) for m in ("wim", "plain") for k in ("prefill", "decode"))
-        assert r["tokens"]["wim"]["decode"] > r["tokens"]["plain"]["decode"]
+        # WiM feeds what plain reading does not: the instructions, the copied notes, the notes in the answer
+        assert r["tokens"]["wim"]["prefill"] > r["tokens"]["plain"]["prefill"]
     assert len(rows["4_prefill_efficiency"]) == 3
     assert all(_number(r["ratio"]) and _number(r["gflops"]) for r in rows["4_prefill_efficiency"])
     assert any(_number(r["all_logits_ratio"]) for r in rows["4_prefill_efficiency"])

@@ -17,6 +17,15 @@ def _tokens(engine, n: int) -> list[int]:
     return engine.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:n]
 
 
+def _filled_cache(engine, n: int = 700):
+    """A real cache holding `n` tokens of a book; (cache, config, head_dim, group)."""
+    model = engine.lm.model
+    cache = make_cache(model, 1024)
+    Runner(model, engine.lm.tokenizer, engine.lm.device).prefill(_tokens(engine, n), cache)
+    cfg = model.config
+    return cache, cfg, cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+
+
 @contextlib.contextmanager
 def _attention(model, name: str):
     before = model.config._attn_implementation
@@ -34,15 +43,9 @@ def test_cpu_models_load_with_the_decode_path(engine):
 def test_grouped_decode_equals_sdpa_on_the_cache(engine):
     """The kernel alone, over the real cache's keys and values (views of the preallocated buffers), against the
     library's SDPA with the key/value heads repeated: fp32 rounding only."""
-    model = engine.lm.model
-    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
-    cache = make_cache(model, 1024)
-    runner.prefill(ids, cache)
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    assert cfg.num_attention_heads > cfg.num_key_value_heads  # grouped-query: the case worth checking
+    cache, cfg, head_dim, group = _filled_cache(engine)
+    assert group > 1  # grouped-query: the case worth checking
     query = torch.randn(1, cfg.num_attention_heads, 1, head_dim, generator=torch.Generator().manual_seed(0))
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
     with torch.inference_mode():
         for layer in cache.layers[::7]:
             keys, values = layer.keys[:, :, :cache.length], layer.values[:, :, :cache.length]
@@ -77,13 +80,7 @@ def test_grouped_rows_equal_sdpa_with_a_causal_and_a_scratch_mask(engine):
     """A pass of several tokens after the cache, grouped per key/value head, against the library's SDPA with the
     heads repeated, over the real cache's keys and values: a causal mask (boolean, as transformers makes it) and
     a scratch mask (additive, hiding part of the document as Scratch does). fp32 rounding only."""
-    model = engine.lm.model
-    runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
-    cache = make_cache(model, 1024)
-    runner.prefill(ids, cache)
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    cache, cfg, head_dim, group = _filled_cache(engine)
     q, context = 12, cache.length
     query = torch.randn(1, q, cfg.num_attention_heads, head_dim, generator=torch.Generator().manual_seed(1))
     query = query.transpose(1, 2)  # as the model hands it over: a view, not contiguous

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Answer, Margin, Notice, SegmentRead, Settings, Stats, WindowStart
-from tests.conftest import shared
+from tests.conftest import TOLERANCE, shared
 
 
 def _read_past_three_windows(engine, text: str, settings: Settings, query: str):
@@ -247,8 +247,11 @@ def test_an_answer_after_a_stopped_follow_up_reads_the_last_window_again(engine,
     events = list(reading.answer(OLD, margins=notes))
     assert any(isinstance(e, Notice) and "read again for the answer" in e.text for e in events)
     assert next(e for e in events if isinstance(e, Answer)).text == first.text
+    # The last window again: the same keys and values, up to fp32 rounding (the first read fed each margin
+    # instruction in its segment's last pass, a pass a few dozen rows longer than the re-read's).
     state = reading.cache.state()
-    assert state.keys() == last_window.keys() and all(torch.equal(state[k], last_window[k]) for k in state)
+    assert state.keys() == last_window.keys() and all(state[k].shape == last_window[k].shape for k in state)
+    assert max((state[k] - last_window[k]).abs().max().item() for k in state) <= TOLERANCE["engine"]
 
 
 def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_then_oldest(windowed):
