@@ -157,8 +157,9 @@ def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int) -> li
     """The segment text[start:end] cut into sentences of at most `max_tokens` tokens (a longer one is cut at
     line breaks, then between words), stripped of surrounding white space; only pieces with a word in them."""
     cuts = {m.end() for m in _SENTENCE_END.finditer(text, start, end)}
-    labels = {m.end() for m in _LABEL.finditer(text, start, end)}
-    cuts |= labels | {m.start() for m in _LABEL.finditer(text, start, end)}
+    found = [m.span() for m in _LABEL.finditer(text, start, end)]
+    labels = {b for _, b in found}
+    cuts |= labels | {a for a, _ in found}
     edges = [start, *sorted(c for c in cuts if start < c < end), end]
     spans = [(a, b) for a, b in zip(edges, edges[1:]) if b not in labels]  # the labels themselves: not copied
     out: list[Piece] = []
