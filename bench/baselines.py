@@ -144,7 +144,7 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
     runner = whole.runner
     pass1 = runner.meter = Meter()  # pass 2 (whole.read) meters itself afresh
     classifier = Classifier(settings.classifier, runner, layout, settings.embedding_threshold)
-    instruction = whole._instruction(query)
+    instruction = whole.notes.instruction(query)
     run = Run("naive")
     t = time.perf_counter()
     with _fixed(fixed and settings.margins == "abstractive", runner):
@@ -153,16 +153,16 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
             cache = runner.new_cache(len(layout.prefix) + seg.tokens + len(instruction) + settings.margin_tokens
                                      + 16)
             runner.prefill(layout.prefix, cache)
-            if whole._folds_instruction():
+            if whole.notes.folds_instruction():
                 logits = runner.prefill(whole.doc.segment_ids(seg), cache, then=instruction)
                 doc_end = cache.length - len(instruction)
                 scratch = Scratch(runner, cache, doc_end, None, None, (instruction, logits))
             else:  # a server backend: its own scratch, the instruction sent with the note's request
                 runner.prefill(whole.doc.segment_ids(seg), cache)
                 scratch = runner.scratch(cache, cache.length)
-            writer, pieces = whole._margin_writer(seg)
+            writer, pieces = whole.notes.writer_for(seg)
             note = _note(writer.write(scratch, instruction, pieces))
-            list(whole._file_margin(seg, note, query, classifier, None, 0.0))
+            list(whole.notes.file(seg, note, query, classifier, None, 0.0, whole._keep_margin))
             list(runner.drain())
         pass1_kv = cache.nbytes() + _classifier_scratch_bytes(engine, whole)
         del cache
@@ -281,7 +281,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
     judge = LLMClassifier(reading.runner, layout)  # for its YES/NO token sets and prompt length limit
     ref = _ReferenceRunner(engine, set() if fixed else reading.runner.stop_ids)
     doc, scratch = ref.new_cache(), ref.new_cache()
-    instruction = reading._instruction(query)
+    instruction = reading.notes.instruction(query)
     run = Run("reference")
     notes: dict[int, str] = {}
     kept: list[int] = []
@@ -293,7 +293,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
         if settings.margins == "abstractive":
             notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)
         else:
-            writer, pieces = reading._margin_writer(seg)
+            writer, pieces = reading.notes.writer_for(seg)
             notes[seg.index] = _note(writer.write(_ReferenceScratch(ref, doc, (instruction, logits)), instruction,
                                                   pieces)).text
         doc.crop(boundary - doc.get_seq_length())  # slicing back to the segment boundary

@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -29,10 +29,10 @@ import torch
 
 from .cache import key_rotation
 from .classify import Classifier, embed
-from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
+from .events import Answer, AnswerToken, Event, Notice, SegmentRead, Stats, WindowStart
 from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
-from .batch_scratch import BatchScratch
-from .margins import MARGIN_STYLES, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
+from .margin_writing import MarginNote, MarginWriting
+from .margins import MARGIN_STYLES
 from .model import LoadedModel, load_model, release_freed_memory
 from .prompts import PromptLayout, fit_notes
 from .segment import Segment, segment
@@ -88,15 +88,6 @@ class Settings:
     def margin_prompt(self) -> str:
         """The instruction after each segment (engine/prompts/): copying asks for sentences or NONE."""
         return "margin" if self.margins == "abstractive" else "margin_extractive"
-
-
-@dataclass
-class MarginNote:
-    index: int
-    text: str
-    relevant: bool | None
-    score: float | None
-    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Engine:
@@ -158,6 +149,7 @@ class Reading:
         self.document_tokens_prefilled = 0   # document tokens fed to the model over this reading's life
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
+        self.notes = MarginWriting(engine, settings, self.doc, self.runner, self.generator)
         self._plan_windows()
 
     @property
@@ -239,8 +231,8 @@ class Reading:
                     else:
                         yield from self._new_window(seg.index, stop)
                 t = time.perf_counter()
-                instruction = self._instruction(query) if mode == "wim" and seg.index not in skip \
-                    and self._folds_instruction() else []
+                instruction = self.notes.instruction(query) if mode == "wim" and seg.index not in skip \
+                    and self.notes.folds_instruction() else []
                 logits = self._prefill_segment(seg, self.windows[-1], stop, then=instruction)
                 yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
                                   seg.pages, self.window, self.doc_end, round(time.perf_counter() - t, 4))
@@ -269,16 +261,6 @@ class Reading:
             self.read_segments.append(seg.index)
         self.doc_end = window.boundaries[seg.index] = window.doc_end = self.cache.length - len(then)
         return logits
-
-    def _instruction(self, query: str) -> list[int]:
-        """The margin instruction after each segment (engine/prompts/)."""
-        return self.layout.suffix(self.settings.margin_prompt, query=query)
-
-    def _folds_instruction(self) -> bool:
-        """Whether the margin instruction rides in its segment's last prefill pass: with the model in this
-        process (a server backend lays tokens down without passes). One pass fewer per margin; in one profiled 4k
-        read with SmolLM2 the eight instruction passes were ~1.3 s of the 6.7 s WiM added to plain reading."""
-        return not hasattr(self.runner, "scratch")
 
     # ---- margins for a new question, from the cache ---------------------------------------------------
     def remargin(self, query: str, stop: threading.Event | None = None) -> Iterator[Event]:
@@ -319,8 +301,10 @@ class Reading:
                 elif len(windows) > 1:
                     yield from self._reread_window(window, stop, query, classifier)
                     continue
-                if self._margins_together():
-                    yield from self._write_margins_together(window, query, classifier, stop)
+                if self.notes.together_possible(self.cache):
+                    yield from self.notes.write_together([self.segments[i] for i in window.segments],
+                                                         window.boundaries, query, classifier, self.cache,
+                                                         self.doc_end, self.limit, stop, self._keep_margin)
                     continue
                 for index in window.segments:
                     visible = window.boundaries[index]
@@ -462,89 +446,14 @@ class Reading:
         self.cache_window = None
         self.window_store.forget()
 
-    def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop,
-                      visible: int | None = None, fed: tuple[list[int], object] | None = None) -> Iterator[Event]:
-        """Instruction, note, cut (engine/margins.py writes the note). `visible=None`: the instruction follows
-        the end of the cache (reading). An int: it sits in scratch room past the document, positioned after
-        boundary `visible` and masked to see only the cache up to there (new-question margins). `fed`: the
-        instruction is already in the cache (fed with the segment), with the logits after it."""
-        t = time.perf_counter()
-        instruction = self._instruction(query)
-        writer, pieces = self._margin_writer(seg)
-        with self.engine.lock:
-            scratch = (self.runner.scratch(self.cache, self.doc_end, stop) if hasattr(self.runner, "scratch")
-                       else Scratch(self.runner, self.cache, self.doc_end, visible, stop, fed))
-            try:
-                note: Note = yield from _relay(seg.index, writer.write(scratch, instruction, pieces))
-            finally:
-                # Cut the instruction and the note off: the cache is back at the end of the document.
-                self.cache.truncate(self.doc_end)
-        yield from self._file_margin(seg, note, query, classifier, stop, time.perf_counter() - t)
+    def _write_margin(self, seg: Segment, query: str, classifier: Classifier, stop, visible: int | None = None,
+                      fed: tuple[list[int], object] | None = None) -> Iterator[Event]:
+        """The margin after `seg` (engine/margin_writing.py), from this reading's cache, kept in `margins`."""
+        yield from self.notes.write(seg, query, classifier, self.cache, self.doc_end, stop, self._keep_margin,
+                                    visible, fed)
 
-    def _margin_writer(self, seg: Segment):
-        """(writer, pieces): the settings' margin writer, and the sentences of `seg` it may copy."""
-        s = self.settings
-        lm = self.engine.lm
-        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
-        if s.margins == "extractive":
-            writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
-                                s.copy_threshold)
-        elif s.margins == "scored":
-            writer = Scored(lm.tokenizer, s.margin_tokens, s.copy_threshold)
-        else:
-            writer = Abstractive(self.runner, s.margin_tokens, s.temperature, self.generator)
-        return writer, pieces
-
-    def _file_margin(self, seg: Segment, note: Note, query: str, classifier: Classifier, stop,
-                     seconds: float) -> Iterator[Event]:
-        """Decide a written note's relevance, keep it, and announce it."""
-        s = self.settings
-        with self.engine.lock:
-            if s.classifier == "none":
-                relevant, score = None, note.relevance
-            elif not note.text:
-                relevant, score = False, note.relevance
-            elif s.classifier == "margin":
-                relevant, score = True, note.relevance
-            else:
-                relevant, score = classifier(query, note.text, stop)
-        score = None if score is None else round(score, 4)
-        self.margins[seg.index] = MarginNote(seg.index, note.text, relevant, score, list(note.spans))
-        yield Margin(seg.index, note.text, relevant, score, note.tokens, round(seconds, 4), seg.pages,
-                     note.spans, note.ending)
-
-    def _margins_together(self) -> bool:
-        """Whether remargin() may write a window's margins in one batch (engine/batch_scratch.py): the local
-        runner over the preallocated cache, a writer that decodes token by token (scored notes score rows of
-        their own), and greedy choice (sampling would draw from the shared generator in another order than
-        one margin after another, and the notes would differ from a fresh read's)."""
-        s = self.settings
-        return (not hasattr(self.runner, "scratch") and hasattr(self.cache, "evict") and s.margins != "scored"
-                and s.temperature <= 0)
-
-    def _write_margins_together(self, window: Window, query: str, classifier: Classifier, stop
-                                ) -> Iterator[Event]:
-        """The new question's margins at every boundary of `window` (in the cache), decoded together: as many
-        rows at once as the room after the document holds, one forward pass per step for all of them."""
-        s = self.settings
-        instruction = self._instruction(query)
-        # A row holds its instruction and at most its note (an extractive step may feed a few forced tokens
-        # past the budget's last choice: the slack).
-        per_row = len(instruction) + s.margin_tokens + 16
-        size = max(1, (self.limit - self.doc_end) // per_row)
-        indexes = window.segments
-        for k in range(0, len(indexes), size):
-            group = indexes[k:k + size]
-            t = time.perf_counter()
-            jobs = [(window.boundaries[i], *self._margin_writer(self.segments[i])) for i in group]
-            jobs = [(visible, writer, instruction, pieces) for visible, writer, pieces in jobs]
-            with self.engine.lock:
-                rows = BatchScratch(self.runner, self.cache, self.doc_end, stop).write(jobs)
-            seconds = (time.perf_counter() - t) / len(group)  # written together: each gets its share
-            for index, row in zip(group, rows):
-                for piece in row.pieces:
-                    yield MarginToken(index, piece)
-                yield from self._file_margin(self.segments[index], row.note, query, classifier, stop, seconds)
+    def _keep_margin(self, note: MarginNote) -> None:
+        self.margins[note.index] = note
 
     def _rag_choice(self, query: str) -> set[int]:
         """Indexes of the top-k segments by MiniLM similarity to the query (the RAG baseline)."""
@@ -637,13 +546,3 @@ class Reading:
                      round(tokens / seconds, 2) if seconds else 0.0, peak_memory_bytes(self.engine.lm.device),
                      round(m.prefill_seconds, 4), round(m.decode_seconds, 4), phase, self.cache.kind, stopped,
                      **m.server_fields())
-
-
-def _relay(index: int, pieces) -> Iterator[Event]:
-    """Stream a margin writer's text pieces as MarginToken events; return the writer's Note."""
-    while True:
-        try:
-            piece = next(pieces)
-        except StopIteration as done:
-            return done.value
-        yield MarginToken(index, piece)

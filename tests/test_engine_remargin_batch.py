@@ -30,7 +30,7 @@ def test_margins_together_equal_one_after_another(engine, margins):
     reading = engine.open(_text(), settings)
     list(reading.read("Why does Alice follow the White Rabbit?"))
     window = reading.windows[-1]
-    assert len(window.segments) >= 4 and reading._margins_together()
+    assert len(window.segments) >= 4 and reading.notes.together_possible(reading.cache)
     classifier = Classifier("none", reading.runner, reading.layout)
     passes, handle = _count_passes(engine.lm.model)
     try:
@@ -39,7 +39,10 @@ def test_margins_together_equal_one_after_another(engine, margins):
                                                      window.boundaries[i])]
         sequential_passes = len(passes)
         passes.clear()
-        together = list(reading._write_margins_together(window, NEW, classifier, None))
+        together = list(reading.notes.write_together([reading.segments[i] for i in window.segments],
+                                                     window.boundaries, NEW, classifier, reading.cache,
+                                                     reading.doc_end, reading.limit, None,
+                                                     reading._keep_margin))
     finally:
         handle.remove()
     assert reading.cache.length == reading.doc_end  # every row cut off again

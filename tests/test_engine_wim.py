@@ -71,7 +71,7 @@ def test_the_instruction_rides_in_its_segments_last_pass(engine):
     for folded in (True, False):
         reading = engine.open(text, settings)
         if not folded:
-            reading._folds_instruction = lambda: False
+            reading.notes.folds_instruction = lambda: False
         passes = []
         forward = reading.runner.forward
         reading.runner.forward = lambda ids, *a, **k: passes.append(len(ids)) or forward(ids, *a, **k)

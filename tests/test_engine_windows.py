@@ -257,7 +257,7 @@ def test_an_answer_after_a_stopped_follow_up_reads_the_last_window_again(engine,
 def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_then_oldest(windowed):
     """A novel keeps ~130 margins and the answer has room for ~25. Those given up first: margins on segments
     still in the cache (the answer reads their text), then the lowest scores, then the earliest."""
-    from engine.wim import MarginNote
+    from engine.margin_writing import MarginNote
     reading = copy.copy(windowed[1])  # the margins below are this test's own
     n = len(reading.segments)
     reading.margins = {i: MarginNote(i, "", True, 0.9 if i % 2 else 0.6) for i in range(n)}
