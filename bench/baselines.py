@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from engine import Answer, Margin, Settings, Stats
 from engine.cache import make_cache
 from engine.classify import Classifier, LLMClassifier
-from engine.generate import PREFILL_CHUNK, Meter, Runner
+from engine.generate import Meter, Runner, prefill_passes
 from engine.margins import Note, Scratch
 from engine.prompts import prompt
 
@@ -166,8 +166,7 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
             list(runner.drain())
         pass1_kv = cache.nbytes() + _classifier_scratch_bytes(engine, whole)
         del cache
-    first = dict(whole.margins)
-    notes = {i: m.text for i, m in first.items()}
+    notes = {i: m.text for i, m in whole.margins.items()}
     kept = whole.default_selection()
     _collect(whole.read(query, skip=notes), run)
     with _fixed(fixed, whole.runner):
@@ -214,16 +213,12 @@ class _ReferenceRunner:
         return out.logits[0, -1].float()
 
     def prefill(self, ids: list[int], cache: DynamicCache, then: list[int] = ()) -> torch.Tensor:
-        # In the engine's passes (engine/generate.py: PREFILL_CHUNK tokens, `then` riding in the last one): the
+        # In the engine's passes (engine/generate.py's prefill_passes): the
         # same work, and the same rounding, so that the margins and answers of the two patterns can be compared
         # token for token (in bf16 a 934-token pass and passes of 512 + 422 round differently, enough to change
         # a greedy token).
         t = time.perf_counter()
-        passes = [list(ids[start:start + PREFILL_CHUNK]) for start in range(0, len(ids), PREFILL_CHUNK)]
-        if then:
-            passes = passes or [[]]
-            passes[-1] += then
-        for chunk in passes:
+        for chunk in prefill_passes(ids, then):
             logits = self.forward(chunk, cache)
         self.meter.prefill_seconds += time.perf_counter() - t
         self.meter.prefill_tokens += len(ids) + len(then)

@@ -69,6 +69,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def prefill_passes(ids: list[int], then: list[int] = ()) -> list[list[int]]:
+    """How a prefill is cut into forward passes: PREFILL_CHUNK tokens each, `then` riding in the last one."""
+    passes = [list(ids[start:start + PREFILL_CHUNK]) for start in range(0, len(ids), PREFILL_CHUNK)]
+    if then:
+        passes = passes or [[]]
+        passes[-1] += then
+    return passes
+
+
 class Runner:
     """Drives one model over caches. Holds no document state.
 
@@ -137,11 +146,7 @@ class Runner:
         tokens that ride along in the last pass (a margin instruction after its segment): a pass of their own
         would cost nearly a decode step before its first token (SmolLM2, 4k tokens of context: ~70 ms)."""
         t = time.perf_counter()
-        passes = [list(ids[start:start + PREFILL_CHUNK]) for start in range(0, len(ids), PREFILL_CHUNK)]
-        if then:
-            passes = passes or [[]]
-            passes[-1] += then
-        for chunk in passes:
+        for chunk in prefill_passes(ids, then):
             logits = self.forward(chunk, cache, stop)
         self.meter.prefill_seconds += time.perf_counter() - t
         self.meter.prefill_tokens += len(ids) + len(then)
