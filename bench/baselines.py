@@ -241,28 +241,19 @@ class _ReferenceRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
 
 
-class _ReferenceScratch:
+class _ReferenceScratch(Scratch):
     """engine/margins.py's Scratch over the reference's DynamicCache, for the copying writer: the note's tokens
-    are fed after the document with the reference's forward pass, and metered the way Scratch meters them."""
-    visible = None
+    are fed after the document with the reference's forward pass (and metered as Scratch meters them)."""
 
     def __init__(self, ref: _ReferenceRunner, cache: DynamicCache, fed: tuple[list[int], torch.Tensor]):
-        self.runner, self.cache, self.fed_ahead = ref, cache, fed
+        super().__init__(ref, cache, cache.get_seq_length() - len(fed[0]), None, None, fed)
 
-    def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
-        if self.fed_ahead is not None:  # the instruction, fed with the segment's last pass
-            ahead, logits = self.fed_ahead
-            self.fed_ahead = None
-            assert ids == ahead
-            return torch.log_softmax(logits, dim=-1)
-        t = time.perf_counter()
-        logits = self.runner.forward(ids, self.cache)
-        if len(ids) == 1:
-            self.runner.meter.decode_seconds += time.perf_counter() - t
-        else:
-            self.runner.meter.prefill_tokens += len(ids)
-            self.runner.meter.prefill_seconds += time.perf_counter() - t
-        return torch.log_softmax(logits, dim=-1)
+    @property
+    def fed(self) -> int:
+        return self.cache.get_seq_length() - self.doc_end
+
+    def _pass(self, ids: list[int]) -> torch.Tensor:
+        return self.runner.forward(ids, self.cache)
 
 
 def _reference_pattern(engine, text, query, settings, fixed) -> Run:

@@ -101,8 +101,7 @@ class Scratch:
                 raise Stopped()
             return torch.log_softmax(logits.float(), dim=-1)  # metered as prefill when they were fed
         t = time.perf_counter()
-        logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(ids)]),
-                                     position_start=self.position)
+        logits = self._pass(ids)
         meter = self.runner.meter
         if len(ids) == 1:
             meter.decode_seconds += time.perf_counter() - t
@@ -110,6 +109,11 @@ class Scratch:
             meter.prefill_tokens += len(ids)
             meter.prefill_seconds += time.perf_counter() - t
         return torch.log_softmax(logits.float(), dim=-1)
+
+    def _pass(self, ids: list[int]) -> torch.Tensor:
+        """One forward pass of `ids` after the scratch so far; the logits after the last one."""
+        return self.runner.forward(ids, self.cache, self.stop, attention_mask=self._mask([len(ids)]),
+                                   position_start=self.position)
 
     def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
         """Mean log-probability of each row of tokens as the continuation of the scratch so far (`first`: the

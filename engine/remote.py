@@ -233,12 +233,14 @@ class RemoteRunner:
             events, self._events = self._events, []
         return events
 
-    def prefill(self, ids: list[int], cache: TokenListCache, stop: threading.Event | None = None) -> None:
-        """Lay ids down; the server sees them with the next request. Returns no logits (there are none here)."""
+    def prefill(self, ids: list[int], cache: TokenListCache, stop: threading.Event | None = None,
+                then: list[int] = ()) -> None:
+        """Lay ids (and `then` after them) down; the server sees them with the next request. Returns no logits
+        (there are none here)."""
         if stop is not None and stop.is_set():
             raise Stopped()
-        cache.append(ids)
-        self.meter.prefill_tokens += len(ids)
+        cache.append([*ids, *then])
+        self.meter.prefill_tokens += len(ids) + len(then)
         return None
 
     def forward(self, *args, **kwargs):

@@ -254,8 +254,7 @@ class Reading:
         """Feed one segment into the cache, which holds `window`, and note where it ends. `then`: the margin
         instruction, fed in the segment's last pass (it is cut off with the note); returns the logits after it."""
         with self.engine.lock:
-            logits = self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop, then=then) if then \
-                else self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop)
+            logits = self.runner.prefill(self.doc.segment_ids(seg), self.cache, stop, then=then)
         self.document_tokens_prefilled += seg.tokens
         if seg.index not in self.read_segments:
             self.read_segments.append(seg.index)
