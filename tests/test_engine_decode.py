@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
-from engine.attention import NAME, grouped_decode, grouped_rows
+from engine import attention as attention_paths
+from engine.attention import NAME, grouped_decode, grouped_rows, grouped_sdpa
 from engine.cache import make_cache
 from engine.generate import Runner
 from tests.conftest import TOLERANCE, shared
@@ -76,10 +78,12 @@ def test_decoding_with_it_equals_sdpa(engine):
     assert runs[NAME][1] == runs["sdpa"][1] and len(runs[NAME][1]) == 16
 
 
-def test_grouped_rows_equal_sdpa_with_a_causal_and_a_scratch_mask(engine):
-    """A pass of several tokens after the cache, grouped per key/value head, against the library's SDPA with the
-    heads repeated, over the real cache's keys and values: a causal mask (boolean, as transformers makes it) and
-    a scratch mask (additive, hiding part of the document as Scratch does). fp32 rounding only."""
+@pytest.mark.parametrize("kernel", [grouped_rows, grouped_sdpa])
+def test_grouped_passes_equal_sdpa_with_a_causal_and_a_scratch_mask(engine, kernel):
+    """A pass of several tokens after the cache, with the key/value heads grouped (rows per head, or torch's own
+    grouped heads past the rows' bound), against the library's SDPA with the heads repeated, over the real cache's
+    keys and values: a causal mask (boolean, as transformers makes it) and a scratch mask (additive, hiding part
+    of the document as Scratch does). fp32 rounding only."""
     cache, cfg, head_dim, group = _filled_cache(engine)
     q, context = 12, cache.length
     query = torch.randn(1, q, cfg.num_attention_heads, head_dim, generator=torch.Generator().manual_seed(1))
@@ -91,7 +95,7 @@ def test_grouped_rows_equal_sdpa_with_a_causal_and_a_scratch_mask(engine):
         for layer in cache.layers[::7]:
             keys, values = layer.keys[:, :, :context], layer.values[:, :, :context]
             for mask in (causal, scratch):
-                ours = grouped_rows(query, keys, values, mask, head_dim ** -0.5)
+                ours = kernel(query, keys, values, mask, head_dim ** -0.5)
                 theirs = torch.nn.functional.scaled_dot_product_attention(
                     query, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1),
                     attn_mask=mask, scale=head_dim ** -0.5).transpose(1, 2)
@@ -99,13 +103,21 @@ def test_grouped_rows_equal_sdpa_with_a_causal_and_a_scratch_mask(engine):
                 assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-def test_short_passes_with_it_equal_sdpa(engine):
+@pytest.mark.parametrize("bound", ["rows", "past the rows' bound"])
+def test_short_passes_with_it_equal_sdpa(engine, bound, monkeypatch):
     """Whole passes of 2, 9 and 40 tokens after 600 cached tokens (the sizes of copied sentences and margin
-    instructions): the logits of every position agree with the library's `sdpa` within fp32 tolerance."""
+    instructions): the logits of every position agree with the library's `sdpa` within fp32 tolerance. Past the
+    bound on repeated rows (there from 512-token passes over a few thousand tokens), the same passes take
+    torch's grouped heads."""
+    taken = []
+    if bound != "rows":
+        monkeypatch.setattr(attention_paths, "ROWS_MASK_ELEMENTS", 0)
+        monkeypatch.setattr(attention_paths, "grouped_sdpa", lambda *a: taken.append(1) or grouped_sdpa(*a))
     model = engine.lm.model
     runner, ids = Runner(model, engine.lm.tokenizer, engine.lm.device), _tokens(engine, 700)
     cache = make_cache(model, 1024)
     runner.prefill(ids[:600], cache)
+    taken.clear()  # the prefill's own pass took it too
     for n in (2, 9, 40):
         out = {}
         for name in (NAME, "sdpa"):
@@ -113,3 +125,4 @@ def test_short_passes_with_it_equal_sdpa(engine):
                 out[name] = runner.forward(ids[600:600 + n], cache, all_logits=True)
                 cache.truncate(600)
         assert (out[NAME] - out["sdpa"]).abs().max().item() <= TOLERANCE["engine"]
+    assert len(taken) == (0 if bound == "rows" else 3 * engine.lm.model.config.num_hidden_layers)
