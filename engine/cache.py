@@ -30,7 +30,7 @@ class PreallocatedLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, capacity: int, blocks: "_Blocks | None" = None, index: int = 0):
+    def __init__(self, capacity: int, blocks: "_Blocks", index: int):
         super().__init__()
         self.capacity = capacity
         self.length = 0
@@ -39,14 +39,10 @@ class PreallocatedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, k_dim = key_states.shape
         self.device = key_states.device
-        keys = (batch, heads, self.capacity, k_dim)
-        values = (batch, heads, self.capacity, value_states.shape[-1])
-        if self.blocks is not None:
-            self.keys = self.blocks.view("keys", self.index, keys, key_states.dtype, self.device)
-            self.values = self.blocks.view("values", self.index, values, value_states.dtype, self.device)
-        else:
-            self.keys = torch.empty(keys, dtype=key_states.dtype, device=self.device)
-            self.values = torch.empty(values, dtype=value_states.dtype, device=self.device)
+        self.keys = self.blocks.view("keys", self.index, (batch, heads, self.capacity, k_dim), key_states.dtype,
+                                     self.device)
+        self.values = self.blocks.view("values", self.index, (batch, heads, self.capacity, value_states.shape[-1]),
+                                       value_states.dtype, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -85,11 +81,12 @@ class _Blocks:
         self.num_layers = num_layers
         self.blocks: dict[str, torch.Tensor] = {}
 
-    def view(self, kind: str, index: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    def view(self, kind: str, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor:
         block = self.blocks.get(kind)
         if block is None:
             block = self.blocks[kind] = torch.empty(self.num_layers, *shape, dtype=dtype, device=device)
-        if tuple(block.shape[1:]) != shape or block.dtype != dtype or block.device != torch.device(device):
+        if tuple(block.shape[1:]) != shape or block.dtype != dtype or block.device != device:
             return torch.empty(shape, dtype=dtype, device=device)
         return block[index]
 
