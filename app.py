@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the database and the browser-id secret live [env MARGINALIA_DATA, default ./data]")
     p.add_argument("--device", default=os.environ.get("MARGINALIA_DEVICE"), help="cpu, cuda, … (default: auto)")
     p.add_argument("--dtype", default=os.environ.get("MARGINALIA_DTYPE"), help="fp32, bf16, fp16 (default: auto)")
+    p.add_argument("--decode-weights", default=os.environ.get("MARGINALIA_DECODE_WEIGHTS"),
+                   help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); full: the loaded "
+                        "weights only (default auto: gguf4 on a CPU) [env MARGINALIA_DECODE_WEIGHTS]")
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
 
     log.info("loading the model %r (once, at start-up)…", args.model)
     t = time.perf_counter()
-    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url)
+    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url, args.decode_weights)
     info = engine.lm.info
     log.info("model ready in %.1f s: %s on %s (%s), %s-token window", time.perf_counter() - t, info["name"],
              info["device"], info["dtype"], f"{info['context_length']:,}")
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(data_dir / "marginalia.db")
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
                         args.context_limit, args.margins)
-    service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype))
+    service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype,
+                                                                   decode_weights=args.decode_weights))
     if not args.no_warm_up and not worker.ZERO_GPU:
         t = time.perf_counter()
         rates = service.warm_up()

@@ -20,11 +20,12 @@ RESULTS = ROOT / "bench" / "results"
 BOOKS = SHARED / "books"
 
 
-def load_engine(device: str | None = None, dtype: str | None = None, model: str = "embedded"):
+def load_engine(device: str | None = None, dtype: str | None = None, model: str = "embedded",
+                decode_weights: str | None = None):
     """The embedded model unless `model` names another (anything `--model` takes). dtype None: the engine's choice
-    (fp32 on a CPU without bf16 matrix units)."""
+    (fp32 on a CPU without bf16 matrix units); decode_weights None: the engine's (the GGUF's 4-bit blocks on a CPU)."""
     from engine import Engine
-    return Engine.load(model, device=device, dtype=dtype)
+    return Engine.load(model, device=device, dtype=dtype, decode_weights=decode_weights)
 
 
 # ---- documents ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from engine.generate import Runner
 
     torch.set_num_threads(args.threads)
-    engine = load_engine("cpu", "fp32", model=args.model)
+    engine = load_engine("cpu", "fp32", model=args.model, decode_weights="full")  # quantize_dynamic wants nn.Linear
     lm = engine.lm
     int8 = copy.deepcopy(lm.model)
     head = int8.lm_head

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="past the context window: a new window carrying the margins, or a sliding cache")
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
+    read.add_argument("--decode-weights", choices=["auto", "gguf4", "full"], default=None,
+                      help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); "
+                           "full: the loaded weights only [env MARGINALIA_DECODE_WEIGHTS; auto: gguf4 on a CPU]")
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
@@ -142,7 +145,7 @@ def cmd_read(args) -> int:
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()
-    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url)
+    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url, args.decode_weights)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings)
     show = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \

@@ -54,6 +54,7 @@ class LoadedModel:
     context_length: int
     load_seconds: float
     spec: str = EMBEDDED  # what load_model was asked for: `embedded`, `qwen2.5-1.5b`, a path or a hub id
+    packs: dict | None = None  # engine/packed.py's 4-bit decode weights: packed/skipped matrices and bytes
     serial = True  # one forward pass at a time on this model (engine/remote.py's server batches instead)
 
     def runner(self, meter=None):
@@ -73,6 +74,9 @@ class LoadedModel:
             "layers": cfg.num_hidden_layers,
             "load_seconds": round(self.load_seconds, 2),
             "spec": self.spec,
+            "decode_weights": (f"GGUF 4-bit blocks for {self.packs['packed']} matrices "
+                               f"({self.packs['bytes'] / 2**20:,.0f} MiB)" if self.packs and self.packs["packed"]
+                               else "full"),
         }
 
 
@@ -229,6 +233,33 @@ def gguf_cache_folder(gguf: Path) -> Path:
     return cache_dir() / (QWEN_FOLDER if digest == QWEN_SHA256 else f"gguf-{digest[:16]}")
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a spec's weights come from (None for a folder or a hub id)."""
+    if spec == EMBEDDED:
+        return embedded_gguf()
+    if spec == QWEN:
+        return assemble_qwen()
+    return Path(spec).expanduser() if spec.lower().endswith(".gguf") else None
+
+
+DECODE_WEIGHTS = ("gguf4", "full")
+
+
+def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `full`: the loaded weights only.
+    `auto` (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a CPU in fp32, bf16 or fp16 (the kernel's types;
+    a GPU has no use for the CPU kernel, and fp64 is there for exact comparisons)."""
+    choice = choice or os.environ.get("MARGINALIA_DECODE_WEIGHTS") or "auto"
+    if choice == "auto":
+        fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return "gguf4" if fits else "full"
+    if choice not in DECODE_WEIGHTS:
+        raise ValueError(f"decode weights must be auto, {' or '.join(DECODE_WEIGHTS)}, not {choice!r}")
+    if choice == "gguf4" and (device.type != "cpu" or dtype == torch.float64):
+        raise ValueError(f"gguf4 decode weights need a CPU and fp32, bf16 or fp16 (here {device.type}, {dtype})")
+    return choice
+
+
 def resolve(spec: str) -> tuple[str, str]:
     """(what from_pretrained loads, display name) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id."""
     if spec == EMBEDDED:
@@ -286,8 +317,10 @@ def release_freed_memory() -> None:
         pass
 
 
-def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """spec: `embedded`, `qwen2.5-1.5b`, a .gguf file, a local directory, or a hub id (needs network the first time)."""
+def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | None = None,
+               decode_weights: str | None = None) -> LoadedModel:
+    """spec: `embedded`, `qwen2.5-1.5b`, a .gguf file, a local directory, or a hub id (needs network the first time).
+    decode_weights: see pick_decode_weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
@@ -298,11 +331,16 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()
+    packs = None
+    source = gguf_file(spec)
+    if pick_decode_weights(decode_weights, dev, torch_dtype) == "gguf4" and source is not None:
+        from .packed import add_decode_packs
+        packs = add_decode_packs(model, source, Path(path))
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(model, tokenizer, name, dev, torch_dtype, attention, int(context), time.perf_counter() - start,
-                       spec)
+                       spec, packs)
 
 
 @dataclass

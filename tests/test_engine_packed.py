@@ -1,0 +1,119 @@
+"""Decode steps on the GGUF's own 4-bit blocks (engine/packed.py): the groups are the file's values, the packs
+are checked against the loaded weights, and the real model decodes the same tokens with them."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import packed
+from engine.generate import Runner
+from engine.model import embedded_gguf, load_model, pick_decode_weights
+from engine.packed import GROUP, PackedLinear, add_decode_packs, build_packs, groups_of
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_groups_are_the_files_values(kind):
+    """scale * q + low equals gguf-py's own de-quantization of the same blocks, bit for bit. Q4_0/Q4_1 blocks
+    from gguf-py's quantizer; Q4_K (it has none) random bytes under valid scales: every bit pattern counts."""
+    rng = np.random.default_rng(0)
+    if kind == "Q4_K":
+        blocks = rng.integers(0, 256, (48, 2, 144), dtype=np.uint8)
+        blocks[..., 0:4] = rng.uniform(1e-4, 1e-2, (48, 2, 2)).astype(np.float16).view(np.uint8)  # d, dmin
+        blocks = blocks.reshape(48, -1)
+    else:
+        values = (rng.standard_normal((48, 512)) * rng.uniform(0.01, 0.2, (48, 1))).astype(np.float32)
+        blocks = quants.quantize(values, GGMLQuantizationType[kind])
+    expected = quants.dequantize(blocks, GGMLQuantizationType[kind])
+    q, scale, low = groups_of(kind, blocks)
+    assert q.min() >= 0 and q.max() <= 15 and scale.shape == (48, 512 // GROUP)
+    got = (q.reshape(48, -1, GROUP).astype(np.float32) * scale[..., None] + low[..., None]).reshape(48, 512)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The embedded model in fp32 with and without the packs (fp32: the packs and the weights hold the file's
+    values exactly, so only the kernels' summation order differs)."""
+    return (load_model("embedded", "cpu", "fp32", decode_weights="gguf4"),
+            load_model("embedded", "cpu", "fp32", decode_weights="full"))
+
+
+def test_every_4bit_matrix_is_packed(models):
+    with_packs, full = models
+    layers = full.model.config.num_hidden_layers
+    # SmolLM2's GGUF: every q, k, v, o, gate, up and down matrix is Q4_1 (its embedding, tied to the head, Q8_0).
+    assert with_packs.packs["packed"] == 7 * layers
+    assert sum(isinstance(m, PackedLinear) for m in with_packs.model.modules()) == 7 * layers
+    assert not any(isinstance(m, PackedLinear) for m in full.model.modules())
+    assert "4-bit" in with_packs.info["decode_weights"] and full.info["decode_weights"] == "full"
+
+
+def test_long_passes_keep_the_full_weights(models):
+    layer = next(m for m in models[0].model.modules() if isinstance(m, PackedLinear))
+    x = torch.randn(1, packed.DECODE_ROWS + 1, layer.in_features)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    few = x[:, :2]
+    assert not torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))  # the kernel ran
+    torch.testing.assert_close(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_decoding_with_packs_gives_the_same_tokens(models):
+    """32 greedy steps after a prompt: the same tokens, logits within 1e-3 at every step."""
+    prompt = models[1].tokenizer("Alice was beginning to get very tired of sitting by her sister on the bank, "
+                                 "and of having nothing to do: once or twice she had peeped into the book").input_ids
+    runs = []
+    for lm in models:
+        runner = Runner(lm.model, lm.tokenizer, lm.device)
+        cache = runner.new_cache(256)
+        logits = runner.prefill(prompt, cache)
+        steps = []
+        for _ in range(32):
+            token = int(logits.argmax())
+            steps.append((token, logits.float()))
+            logits = runner.forward([token], cache)[-1]
+        runs.append(steps)
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    worst = max((a - b).abs().max().item() for (_, a), (_, b) in zip(*runs))
+    assert worst < 1e-3
+
+
+def test_a_matrix_that_does_not_match_stays_unpacked(caplog):
+    """A weight that is not the file's (another row order, a re-saved model): left unpacked, with a warning."""
+    lm = load_model("embedded", "cpu", "fp32", decode_weights="full")
+    proj = lm.model.model.layers[3].mlp.up_proj
+    with torch.no_grad():
+        proj.weight[7] = proj.weight[7].flip(0)
+    with caplog.at_level(logging.WARNING, logger="engine.packed"):
+        packs = build_packs(lm.model, embedded_gguf())
+    assert "model.layers.3.mlp.up_proj.packed" not in packs
+    assert "model.layers.3.mlp.gate_proj.packed" in packs and "model.layers.4.mlp.up_proj.packed" in packs
+    assert "layers.3.mlp.up_proj" in caplog.text
+
+
+def test_the_packs_are_built_once(tmp_path, monkeypatch):
+    lm = load_model("embedded", "cpu", "fp32", decode_weights="full")
+    first = add_decode_packs(lm.model, embedded_gguf(), tmp_path)
+    assert (tmp_path / packed.PACKS_FILE).exists() and not list(tmp_path.glob("*.partial"))
+
+    def no_build(*args):
+        raise AssertionError("built again")
+    monkeypatch.setattr(packed, "build_packs", no_build)
+    again = load_model("embedded", "cpu", "fp32", decode_weights="full")
+    assert add_decode_packs(again.model, embedded_gguf(), tmp_path) == first
+
+
+def test_where_packs_are_used():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_decode_weights("auto", cpu, torch.bfloat16) == "gguf4"
+    assert pick_decode_weights("auto", cpu, torch.float64) == "full"   # the kernel has no fp64
+    assert pick_decode_weights("auto", cuda, torch.bfloat16) == "full"
+    assert pick_decode_weights("full", cpu, torch.float32) == "full"
+    with pytest.raises(ValueError, match="need a CPU"):
+        pick_decode_weights("gguf4", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be auto"):
+        pick_decode_weights("int3", cpu, torch.float32)
