@@ -86,11 +86,13 @@ def worker(device: str | None, dtype: str | None, model: str) -> None:
     runtime_rss = rss_bytes()  # Python + torch + transformers, before the model
     engine = load_engine(device, dtype, model)
     cuda = engine.lm.device.type == "cuda"
-    weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters())
+    # The weights the model holds: its parameters and, beside them, the 4-bit decode packs (engine/packed.py).
+    packs = (engine.lm.packs or {}).get("bytes", 0)
+    weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters()) + packs
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[1].glob("engine/*.py"))
                                    + [Path(__file__).with_name("baselines.py")])).hexdigest()[:12]
     out.write(json.dumps({"ready": True, "code": code, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),
-                          "weights_bytes": weights,
+                          "weights_bytes": weights, "packs_bytes": packs,
                           "model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."),
                           "device": str(engine.lm.device)}) + "\n")
     for line in sys.stdin:
@@ -451,7 +453,7 @@ def assemble(cfg: Config, micro: dict, runs: dict, workers_info: dict, docs: dic
             rows["7_memory"].append({
                 "doc": label, "mode": m, "n": len(rs), "measure": "cuda peak" if "cuda_peak" in rs[0] else "peak RSS",
                 "peak_bytes": peak, "weights_bytes": info["weights_bytes"], "kv_bytes": kv,
-                "runtime_rss": info["runtime_rss"], "loaded_rss": info["loaded_rss"],
+                "packs_bytes": info.get("packs_bytes", 0), "runtime_rss": info["runtime_rss"], "loaded_rss": info["loaded_rss"],
                 "rss_before_run": min(r["rss_before"] for r in rs),
                 "ratio": peak / (info["weights_bytes"] + kv),
                 # Without the ~240 MiB that Python, torch and transformers take before any model is loaded.
@@ -547,7 +549,10 @@ def markdown(data: dict) -> str:
                           "crop_write_us")] for p in rows["5_decode_and_truncate"]["points"]]), ""]
     parts += ["## Memory\n",
               "Peak: RSS of the mode's own process during its runs (CUDA: max allocated). Runtime: RSS after "
-              "importing Python, torch and transformers, before the model; loaded: after loading it.\n",
+              "importing Python, torch and transformers, before the model; loaded: after loading it. Weights: "
+              "the parameters plus the 4-bit decode packs beside them (engine/packed.py)"
+              + (f", {fmt_bytes(rows['7_memory'][0]['packs_bytes'])} of them"
+                 if rows["7_memory"] and rows["7_memory"][0].get("packs_bytes") else ": none") + ".\n",
               md_table(["doc", "mode", "peak", "weights", "KV cache", "runtime", "loaded", "before run", "ratio",
                         "ratio less runtime", "n"],
                        [[r["doc"], r["mode"], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["weights_bytes"]),
