@@ -52,17 +52,18 @@ class LlamaWorker:
         self.proc.wait(timeout=60)
 
 
-def measure(spec: str, args, log) -> dict:
+def measure(spec: str, decode_weights: str, args, log) -> dict:
     import torch
 
     from engine.cache import make_cache
 
     torch.set_num_threads(args.threads)
-    engine = load_engine(None, args.dtype, model=spec)
+    engine = load_engine(None, args.dtype, model=spec, decode_weights=decode_weights)
     lm = engine.lm
     runner = lm.runner()
     gguf = gguf_of(spec)
-    log(f"{lm.name}: ours {str(lm.dtype).removeprefix('torch.')}, llama.cpp on {gguf.name}")
+    ours_in = str(lm.dtype).removeprefix("torch.") + (", decode on the GGUF's 4-bit blocks" if lm.packs else "")
+    log(f"{lm.name}: ours {ours_in}, llama.cpp on {gguf.name}")
     worker = LlamaWorker(gguf, args.prompt + args.steps + 16, args.threads,
                          Path(args.out) / f"llamacpp-{lm.name.split()[0]}.log.tmp")
     text = prose(lm.tokenizer, args.prompt + 100)
@@ -99,7 +100,7 @@ def measure(spec: str, args, log) -> dict:
         runs["ours_decode"] += ours_decode()
         runs["llama_decode"] += worker.ask(decode=theirs_ids[-1], steps=args.steps)
     worker.close()
-    row = {"model": lm.name, "gguf": gguf.name, "ours_dtype": str(lm.dtype).removeprefix("torch."),
+    row = {"model": lm.name, "gguf": gguf.name, "ours_dtype": ours_in,
            "llama_cpp": worker.info["version"], "threads": args.threads, "prompt_tokens": n, "steps": args.steps,
            "reps": args.reps, "runs": runs}
     for phase in ("prefill", "decode"):
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="embedded,qwen2.5-1.5b")
     parser.add_argument("--dtype", default=None, help="ours: default the engine's choice (bf16 on an AMX CPU)")
+    parser.add_argument("--decode-weights", default="gguf4,full",
+                        help="ours: one row per choice (engine/model.py's pick_decode_weights)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = [measure(spec, args, log) for spec in args.models.split(",")]
+    rows = [measure(spec, weights, args, log) for spec in args.models.split(",")
+            for weights in args.decode_weights.split(",")]
     meta = {"machine": machine(), "threads": args.threads, "prompt": args.prompt, "steps": args.steps,
             "reps": args.reps, "wall_seconds": time.perf_counter() - started}
     data = {"meta": meta, "rows": rows}
