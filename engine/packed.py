@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 GROUP = 32          # values per scale and offset: a Q4_0/Q4_1 block, a Q4_K sub-block
 DECODE_ROWS = 4     # passes of at most this many rows use the packs (the crossover measured by bench.decode_weights)
-INNER_K_TILES = 1   # the CPU kernel's packing ignores it; the argument is kept for the CUDA signature
+INNER_K_TILES = 1   # the packing's innerKTiles argument (a CUDA tiling); the CPU layout was measured with 1
 
 # GGUF tensor names (per block) -> the module transformers loads them into, for llama and qwen2 layouts.
 _MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
