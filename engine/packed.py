@@ -12,7 +12,7 @@ full weights stay for prefill: the packs are memory added to the weights (0.625 
 The packs hold the file's values, not a re-quantization of them: a Q4_1 block is `d * q + m`, a Q4_K sub-block
 `d * sc * q - dmin * m`, and each is one affine group of 32 (the kernel's `(q - 8) * scale + zero`). Each packed
 matrix is checked against the weight transformers de-quantized from the same file (equal up to the dtype's
-rounding) when the packs are built, once per converted model (they are kept beside it); a matrix that is not
+rounding) when the packs are built, once per converted model (kept beside its folder); a matrix that is not
 (another architecture's row order, other values) stays unpacked.
 Q6_K and Q8_0 tensors (the 1.5B's output matrix and half its value and down projections) stay unpacked too.
 """
@@ -91,16 +91,22 @@ def _llama_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
-PACKS_FILE = "decode-gguf4.safetensors"
+PACKS_SUFFIX = ".decode-gguf4.safetensors"
+
+
+def packs_path(folder: Path) -> Path:
+    """Where a converted model's packs live: beside its folder, not in it (a server such as vLLM loads every
+    *.safetensors file in a model folder as weights, and refuses the packs' names)."""
+    return folder.with_name(folder.name + PACKS_SUFFIX)
 
 
 def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path) -> dict:
     """Give each linear layer of `model` whose GGUF tensor is 4-bit its packs (PackedLinear). The packs are
-    built once, next to the model's converted folder (reading the GGUF's header alone takes ~18 s for the
+    built once, beside the model's converted folder (reading the GGUF's header alone takes ~18 s for the
     1.5B's 151k-token vocabulary), and loaded from there afterwards. Returns: matrices packed, their bytes."""
     from safetensors.torch import load_file, save_file
 
-    path = folder / PACKS_FILE
+    path = packs_path(folder)
     if path.exists():
         packs = load_file(path)
     else:

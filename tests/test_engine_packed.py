@@ -97,14 +97,17 @@ def test_a_matrix_that_does_not_match_stays_unpacked(caplog):
 
 def test_the_packs_are_built_once(tmp_path, monkeypatch):
     lm = load_model("embedded", "cpu", "fp32", decode_weights="full")
-    first = add_decode_packs(lm.model, embedded_gguf(), tmp_path)
-    assert (tmp_path / packed.PACKS_FILE).exists() and not list(tmp_path.glob("*.partial"))
+    folder = tmp_path / "model"  # the converted model's folder: the packs go beside it, never into it
+    folder.mkdir()
+    first = add_decode_packs(lm.model, embedded_gguf(), folder)
+    assert packed.packs_path(folder).exists() and not list(tmp_path.glob("*.partial"))
+    assert not list(folder.iterdir())
 
     def no_build(*args):
         raise AssertionError("built again")
     monkeypatch.setattr(packed, "build_packs", no_build)
     again = load_model("embedded", "cpu", "fp32", decode_weights="full")
-    assert add_decode_packs(again.model, embedded_gguf(), tmp_path) == first
+    assert add_decode_packs(again.model, embedded_gguf(), folder) == first
 
 
 def test_where_packs_are_used():
