@@ -6,7 +6,11 @@ Cost is in reading the document, so each case is read once per reading pattern:
 - one `wim` read (margins written, no classifier) serves `wim-llm`, `wim-embedding` and `wim-none`: the margins
   are classified afterwards (classification never touches the document cache) and each selection is answered
   from the same cache as a follow-up; `margins-only` answers from the same margins on a fresh cache;
-- `llm` and `rag` read once each.
+- `llm` (plain reading) answers from that same read when the text fits one window: at the document's end the
+  wim cache *is* plain reading's cache (the notes were cut off), so the question goes straight after the
+  document. Past the window (or with no wim read in this run) `llm` reads on its own; `llm-read` always does,
+  to check on a sample that the shared read gives the same answers (the report gives the agreement);
+- `rag` reads once.
 Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
 skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
 """
@@ -33,7 +37,7 @@ from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_re
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
 WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none")
-MODES = (*WIM_MODES, "llm", "rag", "margins-only")
+MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
 ALIASES = {"wim": WIM_MODES}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
 MARGINS_ONLY_CLASSIFIER = "margin"
@@ -103,17 +107,19 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 # ---- running the modes on one case ------------------------------------------------------------------------------
 class Evaluator:
     def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
-                 margins: str = "extractive"):
+                 margins: str = "extractive", context_limit: int | None = None):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
         self.margins = margins
+        self.context_limit = context_limit
 
     def settings(self, case: Case, mode: str):
         from engine import Settings
         tok = self.engine.lm.tokenizer
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
-                        answer_tokens=case.answer_tokens, classifier="none", margins=self.margins)
+                        answer_tokens=case.answer_tokens, classifier="none", margins=self.margins,
+                        context_limit=self.context_limit)
 
     def run(self, case: Case, modes: list[str], stored: dict[str, dict]) -> dict[str, dict]:
         """Records for the `modes` not yet in `stored` (mode -> record)."""
@@ -123,6 +129,7 @@ class Evaluator:
         out: dict[str, dict] = {}
         wim_needed = [m for m in modes if m in WIM_MODES and m not in stored]
         read = stored.get("wim-read")
+        plain_needed = "llm" in modes and "llm" not in stored
         if wim_needed or ("margins-only" in modes and "margins-only" not in stored and read is None):
             base = self.settings(case, "wim")
             t = time.perf_counter()
@@ -165,6 +172,11 @@ class Evaluator:
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
                                          ending=answer.ending)
                 answered[tuple(chosen)] = out[mode]
+            if plain_needed and not reading.multiwindow:
+                t = time.perf_counter()
+                answer = [e for e in reading.answer(case.query, plain=True) if isinstance(e, Answer)][0]
+                out["llm"] = self._record(case, "llm", answer.text, time.perf_counter() - t, ending=answer.ending,
+                                          shared_read=True)
             del reading
         verdicts = read["verdicts"] if read else {}
         kept_by = MARGINS_ONLY_CLASSIFIER if MARGINS_ONLY_CLASSIFIER in verdicts else "llm"  # older records: llm
@@ -177,11 +189,12 @@ class Evaluator:
             text = margins_only(self.engine, case.query, chosen, case.answer_tokens)
             out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep,
                                                classifier=kept_by)
-        for mode in ("llm", "rag"):
-            if mode in modes and mode not in stored:
+        for mode in ("llm", "llm-read", "rag"):
+            if mode in modes and mode not in stored and mode not in out:
                 t = time.perf_counter()
                 try:
-                    events = list(self.engine.run(case.text, case.query, self.settings(case, mode)))
+                    settings = self.settings(case, "llm" if mode == "llm-read" else mode)
+                    events = list(self.engine.run(case.text, case.query, settings))
                 except Exception as exc:  # one mode failing (say, rag without its embedding model) ends no other
                     print(f"{case.key}: {mode} failed: {type(exc).__name__}: {exc}", flush=True)
                     continue
@@ -213,6 +226,7 @@ def fingerprint(engine, args) -> str:
     from .baselines import MARGINS_ONLY_PROMPT
     parts = [engine.lm.name, str(engine.lm.dtype), args.margin_tokens, args.segments, args.max_segment_tokens,
              *([args.margins] if args.margins != "abstractive" else []),
+             *([f"context_limit={args.context_limit}"] if args.context_limit else []),
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
@@ -253,6 +267,17 @@ def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
     return rows
 
 
+def agreement(records) -> dict | None:
+    """Plain reading answered from the wim read (`llm`, shared_read) against its own read (`llm-read`), on the
+    cases that have both: same answer text, same score."""
+    pairs = [(m["llm"], m["llm-read"]) for m in records.values()
+             if "llm-read" in m and m.get("llm", {}).get("shared_read")]
+    if not pairs:
+        return None
+    return {"n": len(pairs), "same_text": sum(a["prediction"] == b["prediction"] for a, b in pairs),
+            "same_score": sum(a["score"] == b["score"] for a, b in pairs)}
+
+
 def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
     cells: dict[tuple, dict] = {(r["task"], r["length"], r["mode"]): r for r in rows}
     keys = list(dict.fromkeys((r["task"], r["length"]) for r in rows))
@@ -274,7 +299,8 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         f"(book prose with the task inserted)"
         f"{' plus the two shared BABILong samples' if 'babilong-sample' in meta['tasks'] else ''}; "
         f"segments of about 1/{meta['segments']} of the document (at most {meta['max_segment_tokens']} tokens), margins of at most {meta['margin_tokens']} "
-        f"tokens, greedy decoding; seed {meta['seed']}. n = cases per cell.\n",
+        f"tokens, a context limit of {meta.get('context_limit') or 'the model window'} tokens, "
+        f"greedy decoding; seed {meta['seed']}. n = cases per cell.\n",
         "Scores: short answers by contained match (a gold answer's normalised words appear in the answer; "
         "exact matches count) with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
         "bootstrap interval. wim-margin / wim-llm / wim-embedding / wim-none: WiM answering with the margins each "
@@ -283,7 +309,10 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
-                                       if meta.get("wim_read_seconds") else [])), ""])
+                                       if meta.get("wim_read_seconds") else [])), "",
+        *([f"Plain reading answered from the wim read against its own read (`llm` against `llm-read`), "
+           f"{a['n']} cases: the same answer on {a['same_text']}, the same score on {a['same_score']}.\n"]
+          if (a := meta.get("agreement")) else [])])
 
 
 def save_cases(path: Path, cases: list[Case]) -> None:
@@ -311,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
     parser.add_argument("--margins", default="extractive", choices=("extractive", "scored", "abstractive"),
                         help="how margins are written (engine Settings.margins)")
+    parser.add_argument("--context-limit", type=int, default=None,
+                        help="tokens the cache may hold (default: the model's window); a smaller limit reads a "
+                             "long text in several windows at a fraction of the cost of a window that long")
     parser.add_argument("--quick", action="store_true", help="smoke test: one short case per task")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
                                                                 "--quick requires it)")
@@ -376,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(x) for x in args.shard.split("/"))
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
-    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins)
+    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
+                          args.context_limit)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens,
-            "max_segment_tokens": args.max_segment_tokens, "seed": args.seed, "n": args.n, "tasks": tasks,
+            "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
+            engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp}
 
     if args.report:
@@ -390,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         reads = [m["wim-read"]["seconds"] for m in records.values() if "wim-read" in m]
         meta["wim_read_seconds"] = sum(reads) / len(reads) if reads else None
         meta["wall_seconds"] = time.perf_counter() - started
+        meta["agreement"] = agreement(records)
         data = {"meta": meta, "results": rows,
                 "cases": [{"case": c.key, "task": c.task, "length": c.length, "query": c.query, "answers": c.answers,
                            "info": c.info, "records": records.get(c.key, {})} for c in cases]}

@@ -477,11 +477,17 @@ class Reading:
                 if m.text and (m.relevant if m.relevant is not None else True)]
 
     def answer(self, query: str, margins: list[int] | dict[int, str] | None = None,
-               stop: threading.Event | None = None) -> Iterator[Event]:
+               stop: threading.Event | None = None, plain: bool = False) -> Iterator[Event]:
         """Answer from the cache: document, then the chosen margins, then the question.
 
         `margins`: the human-in-the-loop override, a list of segment indexes (texts from this reading) or a
-        dict index -> text (margins restored from storage). None: the classifier's selection."""
+        dict index -> text (margins restored from storage). None: the classifier's selection.
+        `plain`: answer as plain reading does (the question straight after the document, no margins). Inside
+        one window a wim reading's cache at the document's end is plain reading's cache (the notes were cut
+        off), so one read can answer both ways."""
+        if plain and self.multiwindow:
+            raise RuntimeError("A multi-window reading holds only its last window: plain reading answers from "
+                               "its own read.")
         if not self.read_segments:
             raise RuntimeError("Nothing has been read yet: call read() first.")
         query = query.strip()
@@ -499,7 +505,7 @@ class Reading:
         else:
             selection = self.default_selection() if margins is None else sorted(margins)
             notes = {i: self.margins[i].text for i in selection if i in self.margins}
-        if self.settings.mode == "wim":
+        if self.settings.mode == "wim" and not plain:
             ids, used, dropped = self._answer_prompt(query, notes)
             if dropped:
                 yield Notice(f"{len(dropped)} margin(s) did not fit in the context window and were left out "

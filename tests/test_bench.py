@@ -68,7 +68,8 @@ def test_eval_quick(tmp_path):
     shared("babi", "qa1_single-supporting-fact_test.txt")
     cases = tmp_path / "cases.jsonl.gz"
     _run("bench.eval", tmp_path, "--dump-cases", str(cases))
-    _run("bench.eval", tmp_path, "--cases", str(cases))
+    all_modes = ("--modes", "wim,llm,llm-read,rag,margins-only")
+    _run("bench.eval", tmp_path, "--cases", str(cases), *all_modes)
     data = json.loads((tmp_path / "eval.json").read_text())
     md = (tmp_path / "eval.md").read_text()
     from bench.eval import MODES
@@ -82,8 +83,12 @@ def test_eval_quick(tmp_path):
     assert all(m in md for m in MODES) and "n=1" in md and data["meta"]["model"] in md
     # --report rebuilds the same table from the records alone, running nothing.
     (tmp_path / "eval.md").unlink()
-    _run("bench.eval", tmp_path, "--cases", str(cases), "--report")
+    _run("bench.eval", tmp_path, "--cases", str(cases), *all_modes, "--report")
     assert (tmp_path / "eval.md").read_text() == md
+    # Plain reading answered from the wim read, checked against its own read of the same case.
+    assert all(c["records"]["llm"]["shared_read"] for c in data["cases"])
+    assert data["meta"]["agreement"]["n"] == len(data["cases"]) and "the same answer on" in md
+    assert data["meta"]["context_limit"] == 8192  # the embedded model's window, recorded
     # bench.relevance scores the classifiers on the same records: each WiM read's segments count once each.
     from bench.relevance import reads, summarise
     records = reads([tmp_path / "eval_cases.jsonl"])
