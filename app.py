@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
 
-    from app import ingest, web, worker
+    from app import web, worker
+    from engine import documents
     from app.service import Defaults, Service
     from app.storage import Store
     from engine.wim import Engine
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.queue(default_concurrency_limit=1)
     log.info("data in %s; serving on http://%s:%d", data_dir, args.host, args.port)
     demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
-                max_file_size=ingest.LIMITS.file_bytes, blocked_paths=[str(data_dir)], show_error=True,
+                max_file_size=documents.LIMITS.file_bytes, blocked_paths=[str(data_dir)], show_error=True,
                 **web.launch_kwargs())
 
 

@@ -6,10 +6,10 @@ what `margins.spans` and `documents.page_starts` refer to). Reflowing (joining a
 undoing end-of-line hyphenation) happens only on the way to the screen: `reflow` returns one display string
 per source character, so a highlight still covers exactly the characters its offsets name.
 
-PDF pages. app/ingest.py stores each page's text cleaned (`_clean_pdf_text`) and joined with "\\n\\n".
+PDF pages. engine/documents.py stores each page's text cleaned (`_clean_pdf_text`) and joined with "\\n\\n".
 `clean_with_map` repeats that cleaning while remembering which raw PDFium text index each kept character came
 from, and PDFium's own text-to-char index translation does the rest; so a span maps onto the character boxes
-it was copied from. PDFium is not thread-safe: every call here holds the same lock as ingest.
+it was copied from. PDFium is not thread-safe: every call here holds the same lock as engine.documents.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from collections import OrderedDict
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
-from .ingest import _PDFIUM_LOCK  # one lock for every PDFium call in the process
+from engine.documents import _PDFIUM_LOCK  # one lock for every PDFium call in the process
 from .render import esc, pages_label
 
 CONTEXT_CHARS = 300          # text shown (dimmed) before and after the segment
@@ -146,7 +146,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def clean_with_map(raw: str) -> tuple[str, list[int]]:
-    """ingest._clean_pdf_text(raw), and for each character of the result the index in `raw` it came from."""
+    """documents._clean_pdf_text(raw), and for each character of the result the index in `raw` it came from."""
     chars: list[str] = []
     where: list[int] = []
     i = 0
@@ -205,7 +205,7 @@ class PageImages:
 
     def page(self, pdf_path: str, page_no: int, page_text: str, ranges: list[tuple[int, int]]) -> dict:
         """Page `page_no` (1-based) of the PDF, and the boxes of the characters in `ranges` (offsets into the
-        page's cleaned text, as ingest stored it: `page_text`). Returns {png: bytes of the unmarked page, width,
+        page's cleaned text, as engine.documents stored it: `page_text`). Returns {png: bytes of the unmarked page, width,
         height, boxes: [(x0, y0, x1, y1)] in image pixels}. The boxes are drawn over the image in HTML, so a
         cached page is sent as it is, with no decoding or re-encoding."""
         key = (os.path.abspath(pdf_path), page_no)
@@ -245,7 +245,7 @@ class PageImages:
     def _boxes(self, textpage, page_text: str, ranges, left: float, bottom: float, height: float) -> list:
         raw = textpage.get_text_range()
         cleaned, where = clean_with_map(raw)
-        if cleaned != page_text:  # not the text ingest stored (another PDFium build?): draw nothing wrong
+        if cleaned != page_text:  # not the text engine.documents stored (another PDFium build?): draw nothing wrong
             return []
         boxes = []
         for s, e in ranges:

@@ -30,7 +30,7 @@ from engine.wim import Engine, Reading, Settings
 from . import passage as passages
 from . import render, worker
 from .library import library_html
-from .ingest import IngestError, load_document
+from engine.documents import IngestError, load_document
 from .render import AnswerView, Card, Panel, SegmentInfo
 from .storage import Store
 

@@ -1,4 +1,7 @@
-"""`python -m engine read PATH --query ...`: read a text with WiM (or a baseline) from the command line.
+"""`python -m engine read PATH --query ...`: read a document with WiM (or a baseline) from the command line.
+
+PATH is a .txt, .md, .pdf or .epub file, read by engine.documents exactly as the app reads an upload, or a .json
+in BABILong form. `python -m engine text PATH` prints the text (and page starts) that a reading would read.
 
 Default output is for people: a progress bar with tokens/s and ETA, each margin as it is written, the answer.
 `--jsonl` is for programs: one JSON event per line on stdout and nothing else (logs go to stderr).
@@ -12,34 +15,48 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .classify import CLASSIFIERS
+from .documents import IngestError, load_document
 from .margins import MARGIN_STYLES
 from .model import default_model
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
-def load_input(path: Path, query: str | None) -> tuple[str, str, str | None]:
-    """(text, query, expected answer). `.json` in BABILong form supplies its own query and target."""
+@dataclass(frozen=True)
+class Input:
+    """What the CLI reads: the text and its page starts (as the app's upload stores them), the question, and the
+    expected answer of a BABILong task."""
+    text: str
+    page_starts: list[int] | None
+    query: str | None
+    target: str | None = None
+    notices: tuple[str, ...] = ()
+
+
+def load_input(path: Path, query: str | None) -> Input:
+    """A .json in BABILong form supplies its own text, query and target; any other file is a document read
+    exactly as the app reads an upload (engine.documents: IngestError, a ValueError, for a file it can't read)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     if path.suffix.lower() == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or "context" not in data:
             raise ValueError(f"{path}: expected a JSON object with 'context' (and 'query', 'target')")
         q = query or data.get("query")
-        if not q:
-            raise ValueError(f"{path} has no 'query'; pass --query")
-        return data["context"], q.strip(), data.get("target")
-    if not query:
-        raise ValueError("--query is required for a text file")
-    return path.read_text(encoding="utf-8", errors="replace"), query, None
+        return Input(data["context"], None, q.strip() if q else None, data.get("target"))
+    doc = load_document(path)
+    return Input(doc.text, doc.page_starts, query, None, doc.notices)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     read = sub.add_parser("read", help="read a document and answer a question")
-    read.add_argument("path", type=Path, help=".txt, or .json in BABILong form {context, query, target}")
+    read.add_argument("path", type=Path,
+                      help=".txt, .md, .pdf or .epub, or .json in BABILong form {context, query, target}")
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
     read.add_argument("--mode", choices=MODES, default="wim")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or default_model(),
@@ -75,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
     read.add_argument("--events", type=Path, metavar="FILE",
                       help="also write every event as a JSON line to FILE (next to the human output)")
+    text = sub.add_parser("text", help="print the text a reading of PATH would read, without loading a model")
+    text.add_argument("path", type=Path, help="as for read")
+    text.add_argument("--json", action="store_true",
+                      help="one JSON object: {text, page_starts, notices} (page starts: character offsets)")
     return parser
 
 
@@ -136,8 +157,24 @@ class HumanOutput:
                                    f"(reuse {ev.reuse:.1%})")
 
 
+def cmd_text(args) -> int:
+    doc = load_input(args.path, None)
+    if args.json:
+        print(json.dumps({"text": doc.text, "page_starts": doc.page_starts, "notices": list(doc.notices)},
+                         ensure_ascii=False))
+    else:
+        for notice in doc.notices:
+            print(notice, file=sys.stderr)
+        print(doc.text)
+    return 0
+
+
 def cmd_read(args) -> int:
-    text, query, target = load_input(args.path, args.query)
+    doc = load_input(args.path, args.query)
+    if not doc.query:
+        raise ValueError(f"{args.path} has no 'query'; pass --query" if args.path.suffix.lower() == ".json"
+                         else "--query is required for a document")
+    text, query, target = doc.text, doc.query, doc.target
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
                         temperature=args.temperature, context_limit=args.context_limit,
@@ -147,7 +184,7 @@ def cmd_read(args) -> int:
                         keep_windows=False).validate()
     engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url, args.decode_weights)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
-    reading = engine.open(text, settings)
+    reading = engine.open(text, settings, doc.page_starts)
     show = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \
         else HumanOutput(len(reading.segments))
     log = args.events.open("w", encoding="utf-8") if args.events else None
@@ -158,6 +195,8 @@ def cmd_read(args) -> int:
             log.write(json.dumps(ev.to_dict(), ensure_ascii=False) + "\n")
             log.flush()
 
+    for notice in doc.notices:  # how the file was read (bytes replaced, ...), as the app says it
+        logging.getLogger("marginalia").warning("%s", notice)
     stop = threading.Event()
     try:
         for ev in reading.read(query, stop):
@@ -183,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        return cmd_read(args)
+        return cmd_text(args) if args.command == "text" else cmd_read(args)
+    except IngestError as exc:  # the very line the app shows for this file
+        print(exc, file=sys.stderr)
+        return 2
     except (DocumentTooLong, ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

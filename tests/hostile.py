@@ -1,5 +1,5 @@
 """A battery of hostile uploads, generated here (no binaries committed), and a probe that reads each one with
-app.ingest in a fresh measurement and reports what happened and the peak memory it took.
+engine.documents in a fresh measurement and reports what happened and the peak memory it took.
 
     python tests/hostile.py write DIR         # write every case's file into DIR
     python tests/hostile.py probe OUT DIR/*   # one JSON line per file: outcome, message, peak RSS; texts in OUT
@@ -308,12 +308,12 @@ def _vm_rss_kib() -> int:
 
 
 def probe(out: str, paths: list[str]) -> None:
-    """Read each file with app.ingest; print one JSON line each and write the text read to OUT/<name>.text.
+    """Read each file with engine.documents; print one JSON line each and write the text read to OUT/<name>.text.
     The peak RSS is the kernel's high-water mark, reset before every file (writing 5 to
     /proc/self/clear_refs), less the resident size before it: each case is measured on its own."""
     import gc
     sys.path.insert(0, str(ROOT))
-    from app.ingest import IngestError, load_document
+    from engine.documents import IngestError, load_document
     from app.render import segment_html
     for path in paths:
         gc.collect()

@@ -46,7 +46,7 @@ def serving(server: AppServer) -> bool:
 def test_hostile_uploads_through_the_app(server, tmp_path):
     from gradio_client import Client, handle_file
 
-    from app.ingest import load_document
+    from engine.documents import load_document
 
     cases = {c.name: c for c in hostile.available() if c.name in LIVE_CASES}
     paths = hostile.write(tmp_path, list(cases.values()))
@@ -73,10 +73,10 @@ def test_hostile_uploads_through_the_app(server, tmp_path):
 
 
 def test_upload_over_the_limit_is_refused(server):
-    """Gradio's max_file_size (set from app.ingest.LIMITS in app.py) stops the upload while it streams."""
+    """Gradio's max_file_size (set from engine.documents.LIMITS in app.py) stops the upload while it streams."""
     import httpx
 
-    from app.ingest import LIMITS
+    from engine.documents import LIMITS
 
     body = b"x" * (LIMITS.file_bytes + 1)
     response = httpx.post(server.url + "/gradio_api/upload", files={"files": ("big.txt", body, "text/plain")},

@@ -1,4 +1,4 @@
-"""app.ingest on real files: the shared books and PDFs, plus good and bad files built in tmp_path."""
+"""engine.documents on real files: the shared books and PDFs, plus good and bad files built in tmp_path."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ingest import Document, IngestError, Limits, load_bytes, load_document
+from engine.documents import Document, IngestError, Limits, load_bytes, load_document
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 BOOKS = SHARED / "books"

@@ -1,4 +1,4 @@
-"""The hostile-upload battery (tests/hostile.py): every case read by app.ingest in a probe process that
+"""The hostile-upload battery (tests/hostile.py): every case read by engine.documents in a probe process that
 measures each one's peak RSS on its own. Each case ends in a clear message or a correct text, within the
 stated memory bound; text containing markup is escaped when the app shows it."""
 from __future__ import annotations

@@ -96,7 +96,7 @@ def test_a_field_label_starts_a_piece_and_is_not_copied(engine):
 
 def test_the_federal_register_dates_sentence_is_copyable_on_its_own(engine):
     """The real PDF's page 1: its DATES field is a piece without the label, at the span of that text."""
-    from app.ingest import load_document
+    from engine.documents import load_document
     doc = load_document(shared("pdf", "federal-register-2020-17221.pdf"))
     pieces = pieces_of(doc.text, 0, doc.page_starts[1], engine.lm.tokenizer, 96)
     dates = [p for p in pieces if "must receive comments" in p.text]

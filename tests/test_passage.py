@@ -11,7 +11,7 @@ import re
 import pypdfium2 as pdfium
 import pytest
 
-from app.ingest import _clean_pdf_text
+from engine.documents import _clean_pdf_text
 from app.passage import clean_with_map, passage_html, reflow
 from app.service import Defaults, Service, UserError
 from app.storage import Store

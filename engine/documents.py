@@ -1,7 +1,8 @@
-"""Turn an uploaded file (.txt, .md, .pdf, .epub) into plain text the engine can read.
+"""Turn a document file (.txt, .md, .pdf, .epub) into the plain text and page starts the engine reads.
 
-Every problem with the *file* surfaces as IngestError, whose message is shown to the user as is;
-anything else escaping from here is a bug in this module.
+The one way in for every entry point: the app's uploads and `python -m engine read` both call load_document,
+so a file gives the same text, pages and errors everywhere. Every problem with the *file* surfaces as
+IngestError, whose message is shown to the user as is; anything else escaping from here is a bug in this module.
 """
 from __future__ import annotations
 
