@@ -267,7 +267,7 @@ def test_each_queued_job_belongs_to_the_tab_that_queued_it(service):
     assert service.queue_position(first) == 1
     assert service.release_tab("tab-2") == [first]
     assert service._status(service.store.get_session(first)) != "queued"
-    assert service.release_tab("tab-0") == [second] and service._waiting == []
+    assert service.release_tab("tab-0") == [second] and service.jobs.waiting == []
 
 
 def test_warm_up_measures_reading_and_writing(service):

@@ -132,7 +132,7 @@ def test_library_lists_documents_with_progress(service, tmp_path):
     b, _ = service.add_upload(str(tmp_path / "b.txt"))
     first = service.start_read("alice", a, "What is here?", service.settings())
     second = service.start_read("alice", b, "What is there?", service.settings())
-    service._waiting.clear()  # nothing runs them in this test
+    service.jobs.waiting.clear()  # nothing runs them in this test
     total = service.store.get_session(first)["segments_total"]
     for i in range(total):
         service.store.save_margin(first, i, f"note {i}", i != 0, None, 0, 1)
