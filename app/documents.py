@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.documents import IngestError, load_document
@@ -28,6 +29,15 @@ class Defaults:
     classifier: str = Settings.classifier
     context_limit: int | None = None  # cap on the tokens a reading's cache may hold (None: the model's window)
     margins: str = Settings.margins   # extractive | scored | abstractive
+
+
+def remember(cache: OrderedDict, key, value, most: int, lock):
+    """Keep `value` under `key` in a cache of the `most` recently used entries; returns `value`."""
+    with lock:
+        cache[key] = value
+        while len(cache) > most:
+            cache.popitem(last=False)
+    return value
 
 
 class Documents:
@@ -91,11 +101,7 @@ class Documents:
             layout = (len(reading.doc.token_ids), len(reading.segments), note, "")
         except ValueError as e:  # DocumentTooLong included
             layout = (None, None, "", str(e))
-        with self._lock:
-            self._layouts[key] = layout
-            while len(self._layouts) > 64:
-                self._layouts.popitem(last=False)
-        return layout
+        return remember(self._layouts, key, layout, 64, self._lock)
 
     def _original_path(self, sha256: str) -> str:
         return os.path.join(self.data_dir, "files", sha256 + ".pdf")

@@ -1,7 +1,6 @@
 """The library and its sessions: listing, opening, marks, export and delete, each for its owner only."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -10,16 +9,10 @@ import tempfile
 
 from . import passage as passages
 from . import render, worker
+from .documents import remember
 from .errors import UserError
 from .library import library_html
 from .render import AnswerView, Card, Panel, SegmentInfo
-
-
-def _date(iso: str) -> str:
-    try:
-        return datetime.datetime.fromisoformat(iso).astimezone().strftime("%d %b %H:%M")
-    except (TypeError, ValueError):
-        return ""
 
 
 def _slug(text: str) -> str:
@@ -48,25 +41,7 @@ class Sessions:
             segments = self._open(doc, worker.settings_from(session["settings"])).segments
         except ValueError:
             segments = []
-        with self._lock:
-            self._segments[sid] = segments
-            while len(self._segments) > 32:
-                self._segments.popitem(last=False)
-        return segments
-
-    def sessions(self, owner: str) -> list[tuple[str, str]]:
-        """(label, id) for the owner's sessions, newest first."""
-        out = []
-        for s in self.store.list_sessions(owner) if owner else []:
-            status = self._status(s)
-            word = {"done": "read", "interrupted": "interrupted", "stopped": "stopped", "reading": "reading",
-                    "queued": "queued", "error": "failed", "idle": "new"}.get(status, status)
-            question = s["question"] or ""
-            question = question if len(question) <= 60 else question[:57] + "…"
-            label = (f"{s['title'] or s['document_name']} — “{question}” · {word} "
-                     f"{s['segments_read']}/{s['segments_total']} · {_date(s['created'])}")
-            out.append((label, s["id"]))
-        return out
+        return remember(self._segments, sid, segments, 32, self._lock)
 
     def _status(self, session: dict) -> str:
         """The panel status for a stored session, knowing what runs in this process."""

@@ -1,5 +1,5 @@
-"""Marginalia's screen, in Gradio 6. The logic lives in app/service.py; this module lays out components and
-wires events to it.
+"""Marginalia's screen, in Gradio 6, panel by panel: each panel lays out its components and wires its events to
+app/service.py, where the logic lives.
 
 Events that run the model (read, resume, answer, switching the model, and the API's read/answer) share one
 concurrency group, "engine", limited to `worker.job_slots()`: 1 on a local model, which runs one forward pass
@@ -12,9 +12,8 @@ forward pass; Gradio's `cancels=` would only act between two yields.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -58,27 +57,14 @@ def launch_kwargs() -> dict:
 class Viewing:
     """Which session each open tab shows (by Gradio's per-tab session hash). A reading streams into the panel
     of the tab that started it only while that tab still shows its session: if the reader opens another
-    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at.
-
-    It also tells a pick in the sessions list from its echo: Gradio 6's Dropdown fires `input` twice for one
-    pick with the mouse (when the option is chosen, then again on the blur that follows), and both requests
-    arrive within milliseconds. Only the first opens the session; the echo returns at once, so it neither
-    renders the session a second time nor stays pending (a pending `input` event is what a next pick waits
-    behind)."""
-
-    ECHO_S = 1.0  # the same session asked for again by the same tab within this long: the pick's echo
+    session meanwhile, the stream keeps going (and saving) without painting over what they are looking at."""
 
     def __init__(self):
         self._tabs: dict[str, str | None] = {}
-        self._picks: dict[str, tuple[str, float]] = {}
-        self._lock = threading.Lock()
 
     def show(self, request: gr.Request | None, session_id: str | None) -> None:
         if request is not None and request.session_hash:
             self._tabs[request.session_hash] = session_id
-            with self._lock:  # shown by other means (Read, the library, ...): a pick of it is no echo
-                if self._picks.get(request.session_hash, (None,))[0] != session_id:
-                    self._picks.pop(request.session_hash, None)
 
     def showing(self, request: gr.Request | None, session_id: str | None) -> str | None:
         """The session this tab shows; `session_id` itself for a request from no known tab (the API)."""
@@ -86,21 +72,9 @@ class Viewing:
             return session_id
         return self._tabs.get(request.session_hash, session_id)
 
-    def first_pick(self, request: gr.Request | None, session_id: str) -> bool:
-        """False for the echo of a pick this tab just made (see the class docstring)."""
-        if request is None or not request.session_hash:
-            return True
-        now = time.monotonic()
-        with self._lock:
-            last = self._picks.get(request.session_hash)
-            self._picks[request.session_hash] = (session_id, now)
-        return not (last and last[0] == session_id and now - last[1] < self.ECHO_S)
-
     def close(self, request: gr.Request | None) -> None:
         if request is not None and request.session_hash:
             self._tabs.pop(request.session_hash, None)
-            with self._lock:
-                self._picks.pop(request.session_hash, None)
 
 
 def model_choices(service: Service) -> list[tuple[str, str]]:
@@ -108,342 +82,28 @@ def model_choices(service: Service) -> list[tuple[str, str]]:
     return [(render.model_choice_label(m), m["spec"]) for m in service.models()]
 
 
-def build(service: Service, secret: str) -> gr.Blocks:
-    info = service.engine.lm.info
-    d = service.defaults
-    viewing = Viewing()
-    slots = worker.job_slots(service.engine)  # 1 on a local model; several on a model server
-    with gr.Blocks(title="Marginalia") as demo:
-        browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
-        session_state = gr.State(None)   # the open session's id
-        doc_state = gr.State(None)       # the document a new Read would read
-        job_state = gr.State(None)       # what the engine step should do: {"kind", "session_id", ...}
+PRIVATE = {"api_visibility": "private"}
+QUIET = {"api_visibility": "private", "show_progress": "hidden"}
 
-        header = gr.HTML(render.header_html(info), js_on_load=None, elem_id="mg-header")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=5, min_width=360):
-                local = service.engine.lm.serial  # a model server serves one model: switch it there
-                model_picker = gr.Dropdown(choices=model_choices(service), value=service.engine.lm.spec,
-                                           label="Model", elem_id="model-picker", interactive=local,
-                                           info="Switching loads the new model once; a reading keeps the model "
-                                                "that wrote its margins." if local else
-                                                "Served by a model server (--backend openai): readings run side by "
-                                                "side there.")
-                upload = gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
-                                 height=120)
-                doc_info = gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info")
-                notice = gr.HTML("", js_on_load=None, elem_id="notice")
-                question = gr.Textbox(label="Question", lines=2, max_lines=6, elem_id="question",
-                                      placeholder="What do you want to know from this document?")
-                with gr.Row(elem_id="read-row"):
-                    read_btn = gr.Button("Read", variant="primary", elem_id="read-btn", scale=2)
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", scale=1)
-                    resume_btn = gr.Button("Resume", variant="secondary", elem_id="resume-btn", scale=1,
-                                           visible=False)
-                with gr.Accordion("Settings", open=False, elem_id="settings"):
-                    seg_size = gr.Slider(64, 2048, value=d.segment_tokens, step=16, label="Segment size (tokens)",
-                                         info="How much text the model reads before writing a margin note.",
-                                         elem_id="segment-tokens")
-                    margin_len = gr.Slider(8, 256, value=d.margin_tokens, step=8, label="Margin length (tokens)",
-                                           info="The longest margin note.", elem_id="margin-tokens")
-                    answer_len = gr.Slider(16, 512, value=d.answer_tokens, step=16, label="Answer length (tokens)",
-                                           elem_id="answer-tokens")
-                    classifier = gr.Radio(CLASSIFIERS, value=d.classifier, label="Relevance classifier",
-                                          info="Decides which margins look relevant; you can flip any of them.",
-                                          elem_id="classifier")
-                    margin_style = gr.Radio(MARGIN_STYLES, value=d.margins, label="Margin notes",
-                                            info="Copied notes are quoted from the text, so each one can be checked.",
-                                            elem_id="margin-style")
-                    model_info = gr.HTML(render.model_info_html(info, service.rates), js_on_load=None,
-                                         elem_id="model-info")
-                with gr.Accordion("Library", open=True, elem_id="sessions-box"):
-                    library = gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library")
-                    sessions = gr.Dropdown(choices=[], value=None, label="Reopen an earlier reading",
-                                           elem_id="sessions", interactive=True)
-                    with gr.Row():
-                        delete_btn = gr.Button("Delete this session", size="sm", variant="secondary",
-                                               elem_id="delete-btn")
-                segment_view = gr.HTML(render.empty_segment(), js_on_load=static_text("segment.js"),
-                                       elem_id="segment-view")
-            with gr.Column(scale=7, min_width=420):
-                panel = gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"), elem_id="margin-panel")
-                with gr.Tabs(elem_id="passage-tabs"):
-                    with gr.Tab("Passage", id="passage-text-tab", elem_id="passage-text-tab"):
-                        passage_text = gr.HTML(empty_passage(), js_on_load=static_text("passage.js"),
-                                               elem_id="passage-text")
-                    with gr.Tab("Page", id="passage-page-tab", elem_id="passage-page-tab"):
-                        passage_page = gr.HTML(page_html(None, None, None), js_on_load=static_text("page.js"),
-                                               elem_id="passage-page")
-                with gr.Row(elem_id="answer-row"):
-                    answer_btn = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
-                    export_btn = gr.Button("Export", elem_id="export-btn", scale=1)
-                answers = gr.HTML(render.answers_html([]), js_on_load=static_text("answers.js"), elem_id="answers")
-                downloads = gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
-                                    elem_id="downloads")
 
-        settings_inputs = [seg_size, margin_len, answer_len, classifier, margin_style]
-        view_outputs = [session_state, doc_state, doc_info, question, seg_size, margin_len, answer_len, classifier,
-                        margin_style,
-                        panel, answers, segment_view, resume_btn, notice, passage_text, passage_page]
+# ---------------------------------------------------------------- the panels: each lays out its components
 
-        # ---------------------------------------------------------- helpers
+@dataclass
+class ModelPanel:
+    """The model picker (above the document) and what the loaded model is (in Settings)."""
+    picker: gr.Dropdown
 
-        def blank_view():
-            return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                    gr.skip(), render.empty_panel(), render.answers_html([]), render.empty_segment(),
-                    gr.update(visible=False), "", empty_passage(), page_html(None, None, None))
+    @classmethod
+    def layout(cls, service: Service) -> "ModelPanel":
+        local = service.engine.lm.serial  # a model server serves one model: switch it there
+        return cls(gr.Dropdown(choices=model_choices(service), value=service.engine.lm.spec, label="Model",
+                               elem_id="model-picker", interactive=local,
+                               info="Switching loads the new model once; a reading keeps the model that wrote its "
+                                    "margins." if local else
+                                    "Served by a model server (--backend openai): readings run side by side there."))
 
-        def view_values(v: dict):
-            s = v["settings"]
-            return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
-                    s.margin_tokens, s.answer_tokens, s.classifier, s.margins, v["panel"], v["answers"], v["segment"],
-                    gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "",
-                    v["passage"], v["page"])
-
-        def notice_only(message: str) -> tuple:
-            """view_outputs left as they are, but for the notice."""
-            return tuple(render.notice_html(message) if c is notice else gr.skip() for c in view_outputs)
-
-        def session_choices(owner, selected=None):
-            return gr.update(choices=service.sessions(owner), value=selected)
-
-        def listed(owner):
-            """The sessions list's entries, with its selection left alone. A job's update of the list must not
-            set the selection: one computed just before the reader picked another session can reach the page
-            after that pick's own answer (Gradio keeps the order of one event's messages, not across events)."""
-            return gr.update(choices=service.sessions(owner))
-
-        def shown_now(owner, showing: str | None) -> dict:
-            """What the tab shows of its session now, for a job's repaint (see to_tab)."""
-            if showing is None:
-                return {"panel": render.empty_panel(), "segment": render.empty_segment(),
-                        "answers": render.answers_html([]), "resume": False}
-            try:
-                v = service.view(owner, showing)
-            except UserError:
-                return {}
-            return {k: v[k] for k in ("panel", "segment", "answers", "resume")}
-
-        def to_tab(updates, owner: str, session_id: str, request: gr.Request):
-            """A job's updates for the tab that started it: all of them while the tab shows the job's session,
-            only the sessions list and notices once it shows another. At that switch the job repaints what the
-            tab shows, once: its last update, painted just before the switch, may reach the page after the
-            opened session's own answer and would otherwise stay on screen."""
-            painted = False
-            try:
-                for update in updates:
-                    showing = viewing.showing(request, session_id)
-                    if showing != session_id:
-                        if painted:
-                            painted = False
-                            yield shown_now(owner, showing)
-                        update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
-                    else:
-                        painted = True
-                    yield update
-            finally:
-                updates.close()  # the page went away: the job's own clean-up runs now
-            showing = viewing.showing(request, session_id)
-            if painted and showing != session_id:
-                yield shown_now(owner, showing)
-
-        # ---------------------------------------------------------- page load and sessions
-
-        def on_load(owner, request: gr.Request):
-            owner = owner or uuid.uuid4().hex
-            choices = service.sessions(owner)
-            if not choices:
-                viewing.show(request, None)
-                return (owner, gr.update(choices=[], value=None), *blank_view())
-            newest = service.last_opened(owner) or choices[0][1]  # where the reader left off
-            viewing.show(request, newest)
-            return (owner, gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
-
-        def refresh_library(owner, session_id):
-            return service.library_html(owner, session_id)
-
-        demo.load(on_load, inputs=[browser], outputs=[browser, sessions, *view_outputs], api_visibility="private",
-                  show_progress="hidden"
-                  ).then(refresh_library, inputs=[browser, session_state], outputs=[library], api_visibility="private",
-                         show_progress="hidden")
-
-        def on_open(owner, session_id, request: gr.Request):
-            if not session_id or not viewing.first_pick(request, session_id):
-                return tuple(gr.skip() for _ in view_outputs)
-            try:
-                values = view_values(service.view(owner, session_id))
-                viewing.show(request, session_id)
-                return values
-            except UserError as e:
-                return notice_only(str(e))
-
-        # always_last: a pick made while the previous one is still pending runs once that one is done (Gradio's
-        # default, "once", would drop it: the list would show the new pick and the panel the old one).
-        # The library follows through session_state.change (below): no .then here, which would run for the
-        # pick's echo too.
-        sessions.input(on_open, inputs=[browser, sessions], outputs=view_outputs, api_visibility="private",
-                       concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
-
-        def on_delete(owner, session_id, request: gr.Request):
-            try:
-                if not session_id:
-                    raise UserError("No session is open.")
-                service.delete(owner, session_id)
-            except UserError as e:
-                return (gr.skip(), *notice_only(str(e)))
-            choices = service.sessions(owner)
-            if not choices:
-                viewing.show(request, None)
-                return (gr.update(choices=[], value=None), *blank_view())
-            newest = choices[0][1]
-            viewing.show(request, newest)
-            return (gr.update(choices=choices, value=newest), *view_values(service.view(owner, newest)))
-
-        delete_btn.click(on_delete, inputs=[browser, session_state], outputs=[sessions, *view_outputs],
-                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
-                         ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                                api_visibility="private", show_progress="hidden")
-
-        # ---------------------------------------------------------- the document
-
-        def on_upload(owner, path, *settings):
-            try:
-                doc_id, notices = service.add_upload(path)
-                return (doc_id, service.document_html(doc_id, service.settings(*settings)),
-                        render.notice_html(" ".join(notices), "info"))
-            except UserError as e:
-                return None, render.no_document(), render.notice_html(str(e))
-
-        upload.upload(on_upload, inputs=[browser, upload, *settings_inputs], outputs=[doc_state, doc_info, notice],
-                      api_visibility="private", concurrency_limit=4)
-
-        def on_settings(doc_id, *settings):
-            try:
-                return service.document_html(doc_id, service.settings(*settings)), ""
-            except UserError as e:
-                return gr.skip(), render.notice_html(str(e))
-
-        for control in (seg_size, margin_len):
-            control.release(on_settings, inputs=[doc_state, *settings_inputs], outputs=[doc_info, notice],
-                            api_visibility="private", show_progress="hidden")
-        classifier.input(on_settings, inputs=[doc_state, *settings_inputs], outputs=[doc_info, notice],
-                         api_visibility="private", show_progress="hidden")
-
-        # ---------------------------------------------------------- read, resume, stop
-
-        def on_read(owner, doc_id, text, segment_tokens, margin_tokens, answer_tokens, classifier_name, margins_name,
-                    request: gr.Request):
-            try:
-                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name,
-                                            margins_name)
-                session_id = service.start_read(owner, doc_id, text, settings, tab=request.session_hash)
-            except UserError as e:
-                return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)),
-                        gr.skip())
-            viewing.show(request, session_id)
-            job = {"kind": "read", "session_id": session_id}
-            return (job, session_id, service.waiting_panel(owner, session_id), render.answers_html([]),
-                    render.empty_segment(), session_choices(owner, session_id), "", gr.update(visible=False))
-
-        def on_resume(owner, session_id, request: gr.Request):
-            try:
-                service.start_resume(owner, session_id, tab=request.session_hash)
-            except UserError as e:
-                return None, gr.skip(), render.notice_html(str(e)), gr.skip()
-            viewing.show(request, session_id)
-            return ({"kind": "resume", "session_id": session_id}, service.waiting_panel(owner, session_id), "",
-                    gr.update(visible=False))
-
-        def read_job(owner, job, request: gr.Request):
-            if not job or job.get("kind") not in ("read", "resume"):
-                yield tuple(gr.skip() for _ in range(5))
-                return
-            sid = job["session_id"]
-            try:
-                for u in to_tab(service.read_stream(owner, sid, resume=job["kind"] == "resume"), owner, sid, request):
-                    yield (u.get("panel", gr.skip()), u.get("segment", gr.skip()),
-                           listed(owner) if u.get("sessions") else gr.skip(),
-                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
-            except UserError as e:
-                yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
-
-        stream_out = [panel, segment_view, sessions, resume_btn, notice]
-        read_btn.click(on_read, inputs=[browser, doc_state, question, *settings_inputs],
-                       outputs=[job_state, session_state, panel, answers, segment_view, sessions, notice, resume_btn],
-                       api_visibility="private", concurrency_limit=None, show_progress="hidden"
-                       ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
-                                 concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
-                                 show_progress_on=[panel]
-                                 ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                                        api_visibility="private", show_progress="hidden")
-        resume_btn.click(on_resume, inputs=[browser, session_state], outputs=[job_state, panel, notice, resume_btn],
-                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
-                         ).success(read_job, inputs=[browser, job_state], outputs=stream_out, api_visibility="private",
-                                   concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
-                                   show_progress_on=[panel]
-                                   ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                                          api_visibility="private", show_progress="hidden")
-
-        def on_stop(owner, session_id):
-            try:
-                if not session_id or not service.stop(owner, session_id):
-                    return render.notice_html("Nothing is running.", "info")
-            except UserError as e:
-                return render.notice_html(str(e))
-            return ""
-
-        stop_btn.click(on_stop, inputs=[browser, session_state], outputs=[notice], api_visibility="private",
-                       concurrency_limit=None, concurrency_id="stop", show_progress="hidden")
-
-        # ---------------------------------------------------------- marks
-
-        def on_flip(owner, evt: gr.EventData):
-            data = getattr(evt, "_data", None) or {}
-            try:
-                index, mark, session_id = int(data["index"]), bool(data["mark"]), str(data["session"])
-            except (KeyError, TypeError, ValueError):
-                return
-            try:
-                if not service.set_mark(owner, session_id, index, mark):
-                    gr.Warning("That margin isn't finished yet, so it can't be marked.")
-            except UserError as e:
-                gr.Warning(str(e))
-
-        panel.click(on_flip, inputs=[browser], outputs=None, api_visibility="private", concurrency_limit=1,
-                    concurrency_id="marks", trigger_mode="multiple", show_progress="hidden")
-
-        # ---------------------------------------------------------- answer and export
-
-        def on_answer(owner, session_id, text, request: gr.Request):
-            try:
-                job = service.start_answer(owner, session_id, text, tab=request.session_hash)
-            except UserError as e:
-                return None, render.notice_html(str(e))
-            return {"kind": "answer", **job}, ""
-
-        def answer_job(owner, job, request: gr.Request):
-            if not job or job.get("kind") != "answer":
-                yield tuple(gr.skip() for _ in range(5))
-                return
-            sid = job["session_id"]
-            try:
-                for u in to_tab(service.answer_stream(owner, sid, job["question"]), owner, sid, request):
-                    yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
-                           listed(owner) if u.get("sessions") else gr.skip(),
-                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
-            except UserError as e:
-                yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
-
-        answer_btn.click(on_answer, inputs=[browser, session_state, question], outputs=[job_state, notice],
-                         api_visibility="private", concurrency_limit=None, show_progress="hidden"
-                         ).success(answer_job, inputs=[browser, job_state],
-                                   outputs=[answers, panel, sessions, resume_btn, notice], api_visibility="private",
-                                   concurrency_limit=slots, concurrency_id=ENGINE, show_progress="minimal",
-                                   show_progress_on=[answers]
-                                   ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                                          api_visibility="private", show_progress="hidden")
-
-        # ---------------------------------------------------------- the model picker
+    def wire(self, ui: "Screen") -> None:
+        service = ui.service
 
         def on_model(spec):
             try:
@@ -457,20 +117,249 @@ def build(service: Service, secret: str) -> gr.Blocks:
                     render.notice_html(f"{info['name']} is loaded ({info['load_seconds']:.1f} s); new readings "
                                        "use it.", "info"))
 
-        model_picker.input(on_model, inputs=[model_picker], outputs=[model_picker, header, model_info, notice],
-                           api_visibility="private", concurrency_limit=slots, concurrency_id=ENGINE,
-                           show_progress="full", show_progress_on=[model_picker])
+        self.picker.input(on_model, inputs=[self.picker],
+                          outputs=[self.picker, ui.header, ui.settings.model_info, ui.document.notice],
+                          concurrency_limit=ui.slots, concurrency_id=ENGINE, show_progress="full",
+                          show_progress_on=[self.picker], **PRIVATE)
 
-        def on_export(owner, session_id):
+
+@dataclass
+class DocumentPanel:
+    """The document to read (upload, what it is, notices) and the question."""
+    upload: gr.File
+    info: gr.HTML
+    notice: gr.HTML
+    question: gr.Textbox
+
+    @classmethod
+    def layout(cls) -> "DocumentPanel":
+        return cls(gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
+                           height=120),
+                   gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info"),
+                   gr.HTML("", js_on_load=None, elem_id="notice"),
+                   gr.Textbox(label="Question", lines=2, max_lines=6, elem_id="question",
+                              placeholder="What do you want to know from this document?"))
+
+    def wire(self, ui: "Screen") -> None:
+        service = ui.service
+
+        def on_upload(owner, path, *settings):
             try:
-                return gr.update(value=service.export(owner, session_id), visible=True), ""
+                doc_id, notices = service.add_upload(path)
+                return (doc_id, service.document_html(doc_id, service.settings(*settings)),
+                        render.notice_html(" ".join(notices), "info"))
+            except UserError as e:
+                return None, render.no_document(), render.notice_html(str(e))
+
+        self.upload.upload(on_upload, inputs=[ui.browser, self.upload, *ui.settings.inputs],
+                           outputs=[ui.doc_state, self.info, self.notice], concurrency_limit=4, **PRIVATE)
+
+
+@dataclass
+class ReadControls:
+    """Read, Stop and Resume."""
+    read: gr.Button
+    stop: gr.Button
+    resume: gr.Button
+
+    @classmethod
+    def layout(cls) -> "ReadControls":
+        with gr.Row(elem_id="read-row"):
+            return cls(gr.Button("Read", variant="primary", elem_id="read-btn", scale=2),
+                       gr.Button("Stop", variant="stop", elem_id="stop-btn", scale=1),
+                       gr.Button("Resume", variant="secondary", elem_id="resume-btn", scale=1, visible=False))
+
+    def wire(self, ui: "Screen") -> None:
+        service, viewing, margins = ui.service, ui.viewing, ui.margins.panel
+
+        def on_read(owner, doc_id, text, segment_tokens, margin_tokens, answer_tokens, classifier_name,
+                    margins_name, request: gr.Request):
+            try:
+                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name,
+                                            margins_name)
+                session_id = service.start_read(owner, doc_id, text, settings, tab=request.session_hash)
+            except UserError as e:
+                return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)), gr.skip())
+            viewing.show(request, session_id)
+            job = {"kind": "read", "session_id": session_id}
+            return (job, session_id, service.waiting_panel(owner, session_id), render.answers_html([]),
+                    render.empty_segment(), "", gr.update(visible=False))
+
+        def on_resume(owner, session_id, request: gr.Request):
+            try:
+                service.start_resume(owner, session_id, tab=request.session_hash)
+            except UserError as e:
+                return None, gr.skip(), render.notice_html(str(e)), gr.skip()
+            viewing.show(request, session_id)
+            return ({"kind": "resume", "session_id": session_id}, service.waiting_panel(owner, session_id), "",
+                    gr.update(visible=False))
+
+        ui.then_read(self.read.click(
+            on_read, inputs=[ui.browser, ui.doc_state, ui.document.question, *ui.settings.inputs],
+            outputs=[ui.job_state, ui.session_state, margins, ui.answer.answers, ui.now_reading, ui.document.notice,
+                     self.resume], concurrency_limit=None, **QUIET).success)
+        ui.then_read(self.resume.click(on_resume, inputs=[ui.browser, ui.session_state],
+                                       outputs=[ui.job_state, margins, ui.document.notice, self.resume],
+                                       concurrency_limit=None, **QUIET).success)
+
+        def on_stop(owner, session_id):
+            try:
+                if not session_id or not service.stop(owner, session_id):
+                    return render.notice_html("Nothing is running.", "info")
+            except UserError as e:
+                return render.notice_html(str(e))
+            return ""
+
+        self.stop.click(on_stop, inputs=[ui.browser, ui.session_state], outputs=[ui.document.notice],
+                        concurrency_limit=None, concurrency_id="stop", **QUIET)
+
+
+@dataclass
+class SettingsPanel:
+    """How a reading is made (segment, margin and answer sizes, classifier, margin style) and the model's facts."""
+    segment_tokens: gr.Slider
+    margin_tokens: gr.Slider
+    answer_tokens: gr.Slider
+    classifier: gr.Radio
+    margin_style: gr.Radio
+    model_info: gr.HTML
+
+    @property
+    def inputs(self) -> list:
+        return [self.segment_tokens, self.margin_tokens, self.answer_tokens, self.classifier, self.margin_style]
+
+    @classmethod
+    def layout(cls, service: Service) -> "SettingsPanel":
+        d = service.defaults
+        with gr.Accordion("Settings", open=False, elem_id="settings"):
+            return cls(
+                gr.Slider(64, 2048, value=d.segment_tokens, step=16, label="Segment size (tokens)",
+                          info="How much text the model reads before writing a margin note.",
+                          elem_id="segment-tokens"),
+                gr.Slider(8, 256, value=d.margin_tokens, step=8, label="Margin length (tokens)",
+                          info="The longest margin note.", elem_id="margin-tokens"),
+                gr.Slider(16, 512, value=d.answer_tokens, step=16, label="Answer length (tokens)",
+                          elem_id="answer-tokens"),
+                gr.Radio(CLASSIFIERS, value=d.classifier, label="Relevance classifier",
+                         info="Decides which margins look relevant; you can flip any of them.", elem_id="classifier"),
+                gr.Radio(MARGIN_STYLES, value=d.margins, label="Margin notes",
+                         info="Copied notes are quoted from the text, so each one can be checked.",
+                         elem_id="margin-style"),
+                gr.HTML(render.model_info_html(service.engine.lm.info, service.rates), js_on_load=None,
+                        elem_id="model-info"))
+
+    def wire(self, ui: "Screen") -> None:
+        service = ui.service
+
+        def on_settings(doc_id, *settings):
+            try:
+                return service.document_html(doc_id, service.settings(*settings)), ""
             except UserError as e:
                 return gr.skip(), render.notice_html(str(e))
 
-        export_btn.click(on_export, inputs=[browser, session_state], outputs=[downloads, notice],
-                         api_visibility="private", concurrency_limit=None, show_progress="hidden")
+        shown = dict(inputs=[ui.doc_state, *self.inputs], outputs=[ui.document.info, ui.document.notice], **QUIET)
+        for control in (self.segment_tokens, self.margin_tokens):
+            control.release(on_settings, **shown)
+        self.classifier.input(on_settings, **shown)
 
-        # ---------------------------------------------------------- passages and the library
+
+@dataclass
+class LibraryPanel:
+    """The library: this browser's documents and readings, to open, continue or delete."""
+    library: gr.HTML
+
+    @classmethod
+    def layout(cls) -> "LibraryPanel":
+        with gr.Accordion("Library", open=True, elem_id="sessions-box"):
+            return cls(gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library"))
+
+    def wire(self, ui: "Screen") -> None:
+        service, viewing = ui.service, ui.viewing
+        # A new reading (or another one opened) shows in the library at once; the job's end refreshes it again.
+        ui.session_state.change(ui.refresh_library, inputs=[ui.browser, ui.session_state], outputs=[self.library],
+                                **QUIET)
+
+        def on_library(owner, evt: gr.EventData, request: gr.Request):
+            """Open, continue (resume) or delete a reading from the library."""
+            data = getattr(evt, "_data", None) or {}
+            action, sid = data.get("action"), str(data.get("session") or "")
+            nothing = (None, *(gr.skip() for _ in ui.view_outputs))
+            try:
+                if action == "delete":
+                    service.delete(owner, sid)
+                    latest = service.last_opened(owner)
+                    if latest is None:
+                        viewing.show(request, None)
+                        return (None, *ui.blank_view())
+                    sid, job = latest, None
+                elif action == "continue":
+                    service.start_resume(owner, sid, tab=request.session_hash)
+                    job = {"kind": "resume", "session_id": sid}
+                elif action == "open":
+                    job = None
+                else:
+                    return nothing
+                values = list(ui.view_values(service.view(owner, sid)))
+            except UserError as e:
+                return (None, *ui.notice_only(str(e)))
+            viewing.show(request, sid)
+            if job:  # the panel waits for the engine; Resume is hidden while it runs
+                values[ui.view_outputs.index(ui.margins.panel)] = service.waiting_panel(owner, sid)
+                values[ui.view_outputs.index(ui.controls.resume)] = gr.update(visible=False)
+            return (job, *values)
+
+        ui.then_read(self.library.click(on_library, inputs=[ui.browser], outputs=[ui.job_state, *ui.view_outputs],
+                                        concurrency_limit=None, **QUIET
+                                        ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
+                                               outputs=[self.library], **QUIET).then)
+
+
+@dataclass
+class MarginPanel:
+    """The margin cards as they are written, with the reader's marks (relevant / irrelevant) on them."""
+    panel: gr.HTML
+
+    @classmethod
+    def layout(cls) -> "MarginPanel":
+        return cls(gr.HTML(render.empty_panel(ready=False), js_on_load=static_text("panel.js"),
+                           elem_id="margin-panel"))
+
+    def wire(self, ui: "Screen") -> None:
+        service = ui.service
+
+        def on_flip(owner, evt: gr.EventData):
+            data = getattr(evt, "_data", None) or {}
+            try:
+                index, mark, session_id = int(data["index"]), bool(data["mark"]), str(data["session"])
+            except (KeyError, TypeError, ValueError):
+                return
+            try:
+                if not service.set_mark(owner, session_id, index, mark):
+                    gr.Warning("That margin isn't finished yet, so it can't be marked.")
+            except UserError as e:
+                gr.Warning(str(e))
+
+        self.panel.click(on_flip, inputs=[ui.browser], outputs=None, concurrency_limit=1, concurrency_id="marks",
+                         trigger_mode="multiple", **QUIET)
+
+
+@dataclass
+class PassagePanel:
+    """The passage behind a margin (or an answer's chip), as text and, for a PDF, as its page."""
+    text: gr.HTML
+    page: gr.HTML
+
+    @classmethod
+    def layout(cls) -> "PassagePanel":
+        with gr.Tabs(elem_id="passage-tabs"):
+            with gr.Tab("Passage", id="passage-text-tab", elem_id="passage-text-tab"):
+                text = gr.HTML(empty_passage(), js_on_load=static_text("passage.js"), elem_id="passage-text")
+            with gr.Tab("Page", id="passage-page-tab", elem_id="passage-page-tab"):
+                page = gr.HTML(page_html(None, None, None), js_on_load=static_text("page.js"), elem_id="passage-page")
+        return cls(text, page)
+
+    def wire(self, ui: "Screen") -> None:
+        service = ui.service
 
         def on_passage(owner, session_id, evt: gr.EventData):
             """A margin card, a map cell or an answer chip was clicked (or the open-passage key pressed)."""
@@ -487,53 +376,122 @@ def build(service: Service, secret: str) -> gr.Blocks:
                 return gr.skip(), gr.skip(), render.notice_html(str(e))
             return shown["text"], shown["page"], ""
 
-        for source in (panel, answers):
-            source.select(on_passage, inputs=[browser, session_state], outputs=[passage_text, passage_page, notice],
-                          api_visibility="private", concurrency_limit=4, show_progress="hidden",
-                          trigger_mode="always_last")
+        for source in (ui.margins.panel, ui.answer.answers):
+            source.select(on_passage, inputs=[ui.browser, ui.session_state],
+                          outputs=[self.text, self.page, ui.document.notice], concurrency_limit=4,
+                          trigger_mode="always_last", **QUIET)
 
-        # A new reading (or another one opened) shows in the library at once; the job's end refreshes it again.
-        session_state.change(refresh_library, inputs=[browser, session_state], outputs=[library],
-                             api_visibility="private", show_progress="hidden")
 
-        def on_library(owner, evt: gr.EventData, request: gr.Request):
-            """Open, continue (resume) or delete a reading from the library."""
-            data = getattr(evt, "_data", None) or {}
-            action, sid = data.get("action"), str(data.get("session") or "")
-            nothing = (None, gr.skip(), *(gr.skip() for _ in view_outputs))
+@dataclass
+class AnswerPanel:
+    """Answer (and follow-up questions) from the margins kept, and Export of the whole session."""
+    answers: gr.HTML     # the answers, newest first, each with the margins it used
+    answer: gr.Button
+    export: gr.Button
+    downloads: gr.File   # the exported Markdown and JSON
+
+    @classmethod
+    def layout(cls) -> "AnswerPanel":
+        with gr.Row(elem_id="answer-row"):
+            answer = gr.Button("Answer", variant="primary", elem_id="answer-btn", scale=2)
+            export = gr.Button("Export", elem_id="export-btn", scale=1)
+        answers = gr.HTML(render.answers_html([]), js_on_load=static_text("answers.js"), elem_id="answers")
+        return cls(answers=answers, answer=answer, export=export,
+                   downloads=gr.File(label="Downloads", file_count="multiple", visible=False, interactive=False,
+                                     elem_id="downloads"))
+
+    def wire(self, ui: "Screen") -> None:
+        service, notice = ui.service, ui.document.notice
+
+        def on_answer(owner, session_id, text, request: gr.Request):
             try:
-                if action == "delete":
-                    service.delete(owner, sid)
-                    latest = service.last_opened(owner)
-                    if latest is None:
-                        viewing.show(request, None)
-                        return (None, gr.update(choices=[], value=None), *blank_view())
-                    sid, job = latest, None
-                elif action == "continue":
-                    service.start_resume(owner, sid, tab=request.session_hash)
-                    job = {"kind": "resume", "session_id": sid}
-                elif action == "open":
-                    job = None
-                else:
-                    return nothing
-                values = list(view_values(service.view(owner, sid)))
+                job = service.start_answer(owner, session_id, text, tab=request.session_hash)
             except UserError as e:
-                return (*nothing[:-len(view_outputs)], *notice_only(str(e)))
-            viewing.show(request, sid)
-            if job:  # the panel waits for the engine; Resume is hidden while it runs
-                values[view_outputs.index(panel)] = service.waiting_panel(owner, sid)
-                values[view_outputs.index(resume_btn)] = gr.update(visible=False)
-            return (job, session_choices(owner, sid), *values)
+                return None, render.notice_html(str(e))
+            return {"kind": "answer", **job}, ""
 
-        library.click(on_library, inputs=[browser], outputs=[job_state, sessions, *view_outputs],
-                      api_visibility="private", concurrency_limit=None, show_progress="hidden"
-                      ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                             api_visibility="private", show_progress="hidden"
-                             ).then(read_job, inputs=[browser, job_state], outputs=stream_out,
-                                    api_visibility="private", concurrency_limit=slots, concurrency_id=ENGINE,
-                                    show_progress="minimal", show_progress_on=[panel]
-                                    ).then(refresh_library, inputs=[browser, session_state], outputs=[library],
-                                           api_visibility="private", show_progress="hidden")
+        def answer_job(owner, job, request: gr.Request):
+            if not job or job.get("kind") != "answer":
+                yield tuple(gr.skip() for _ in range(5))
+                return
+            sid = job["session_id"]
+            try:
+                for u in ui.to_tab(service.answer_stream(owner, sid, job["question"]), owner, sid, request):
+                    yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
+                           ui.library_now(owner, sid, request) if u.get("sessions") else gr.skip(),
+                           gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
+            except UserError as e:
+                yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
+
+        self.answer.click(on_answer, inputs=[ui.browser, ui.session_state, ui.document.question],
+                          outputs=[ui.job_state, notice], concurrency_limit=None, **QUIET
+                          ).success(answer_job, inputs=[ui.browser, ui.job_state],
+                                    outputs=[self.answers, ui.margins.panel, ui.library.library, ui.controls.resume,
+                                             notice],
+                                    concurrency_limit=ui.slots, concurrency_id=ENGINE, show_progress="minimal",
+                                    show_progress_on=[self.answers], **PRIVATE
+                                    ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
+                                           outputs=[ui.library.library], **QUIET)
+
+        def on_export(owner, session_id):
+            try:
+                return gr.update(value=service.export(owner, session_id), visible=True), ""
+            except UserError as e:
+                return gr.skip(), render.notice_html(str(e))
+
+        self.export.click(on_export, inputs=[ui.browser, ui.session_state], outputs=[self.downloads, notice],
+                          concurrency_limit=None, **QUIET)
+
+
+# ---------------------------------------------------------------- the screen: the panels and what they share
+
+class Screen:
+    """Every panel, the per-browser state, and what several panels' events share: a session's view, a job's
+    stream to the tab that started it, the reading job and the library's refresh."""
+
+    def __init__(self, service: Service, secret: str):
+        self.service, self.viewing = service, Viewing()
+        self.slots = worker.job_slots(service.engine)  # 1 on a local model; several on a model server
+        self.browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
+        self.session_state = gr.State(None)   # the open session's id
+        self.doc_state = gr.State(None)       # the document a new Read would read
+        self.job_state = gr.State(None)       # what the engine step should do: {"kind", "session_id", ...}
+        self.header = gr.HTML(render.header_html(service.engine.lm.info), js_on_load=None, elem_id="mg-header")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=360):
+                self.model = ModelPanel.layout(service)
+                self.document = DocumentPanel.layout()
+                self.controls = ReadControls.layout()
+                self.settings = SettingsPanel.layout(service)
+                self.library = LibraryPanel.layout()
+                self.now_reading = gr.HTML(render.empty_segment(), js_on_load=static_text("segment.js"),
+                                           elem_id="segment-view")
+            with gr.Column(scale=7, min_width=420):
+                self.margins = MarginPanel.layout()
+                self.passage = PassagePanel.layout()
+                self.answer = AnswerPanel.layout()
+        s, d = self.settings, self.document
+        self.view_outputs = [self.session_state, self.doc_state, d.info, d.question, *s.inputs, self.margins.panel,
+                             self.answer.answers, self.now_reading, self.controls.resume, d.notice, self.passage.text,
+                             self.passage.page]
+
+    def wire(self, demo: gr.Blocks) -> None:
+        for panel in (self.model, self.document, self.controls, self.settings, self.library, self.margins,
+                      self.passage, self.answer):
+            panel.wire(self)
+        service, viewing = self.service, self.viewing
+
+        def on_load(owner, request: gr.Request):
+            owner = owner or uuid.uuid4().hex
+            newest = service.last_opened(owner)  # where the reader left off
+            viewing.show(request, newest)
+            if newest is None:
+                return (owner, *self.blank_view())
+            return (owner, *self.view_values(service.view(owner, newest)))
+
+        demo.load(on_load, inputs=[self.browser], outputs=[self.browser, *self.view_outputs], **QUIET
+                  ).then(self.refresh_library, inputs=[self.browser, self.session_state],
+                         outputs=[self.library.library], **QUIET)
 
         def on_unload(request: gr.Request):
             viewing.close(request)
@@ -542,8 +500,100 @@ def build(service: Service, secret: str) -> gr.Blocks:
 
         demo.unload(on_unload)
 
-        # ---------------------------------------------------------- the API (gradio_client)
-        add_api(service)
+    # ---------------------------------------------------------- a session's view
+
+    def blank_view(self) -> tuple:
+        return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                gr.skip(), render.empty_panel(), render.answers_html([]), render.empty_segment(),
+                gr.update(visible=False), "", empty_passage(), page_html(None, None, None))
+
+    def view_values(self, v: dict) -> tuple:
+        s = v["settings"]
+        return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
+                s.margin_tokens, s.answer_tokens, s.classifier, s.margins, v["panel"], v["answers"], v["segment"],
+                gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "",
+                v["passage"], v["page"])
+
+    def notice_only(self, message: str) -> tuple:
+        """view_outputs left as they are, but for the notice."""
+        return tuple(render.notice_html(message) if c is self.document.notice else gr.skip()
+                     for c in self.view_outputs)
+
+    def refresh_library(self, owner, session_id):
+        return self.service.library_html(owner, session_id)
+
+    def library_now(self, owner, session_id: str, request: gr.Request) -> str:
+        """The library as a job changes it (a reading ended), marking the session this tab shows."""
+        return self.service.library_html(owner, self.viewing.showing(request, session_id))
+
+    # ---------------------------------------------------------- jobs
+
+    def shown_now(self, owner, showing: str | None) -> dict:
+        """What the tab shows of its session now, for a job's repaint (see to_tab)."""
+        if showing is None:
+            return {"panel": render.empty_panel(), "segment": render.empty_segment(),
+                    "answers": render.answers_html([]), "resume": False}
+        try:
+            v = self.service.view(owner, showing)
+        except UserError:
+            return {}
+        return {k: v[k] for k in ("panel", "segment", "answers", "resume")}
+
+    def to_tab(self, updates, owner: str, session_id: str, request: gr.Request):
+        """A job's updates for the tab that started it: all of them while the tab shows the job's session,
+        only the library and notices once it shows another. At that switch the job repaints what the
+        tab shows, once: its last update, painted just before the switch, may reach the page after the
+        opened session's own answer and would otherwise stay on screen."""
+        painted = False
+        try:
+            for update in updates:
+                showing = self.viewing.showing(request, session_id)
+                if showing != session_id:
+                    if painted:
+                        painted = False
+                        yield self.shown_now(owner, showing)
+                    update = {k: v for k, v in update.items() if k in ("sessions", "notice")}
+                else:
+                    painted = True
+                yield update
+        finally:
+            updates.close()  # the page went away: the job's own clean-up runs now
+        showing = self.viewing.showing(request, session_id)
+        if painted and showing != session_id:
+            yield self.shown_now(owner, showing)
+
+    def read_job(self, owner, job, request: gr.Request):
+        """The engine step of Read, Resume and the library's Continue."""
+        if not job or job.get("kind") not in ("read", "resume"):
+            yield tuple(gr.skip() for _ in range(5))
+            return
+        sid = job["session_id"]
+        try:
+            for u in self.to_tab(self.service.read_stream(owner, sid, resume=job["kind"] == "resume"), owner, sid,
+                                 request):
+                yield (u.get("panel", gr.skip()), u.get("segment", gr.skip()),
+                       self.library_now(owner, sid, request) if u.get("sessions") else gr.skip(),
+                       gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
+        except UserError as e:
+            yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
+
+    def then_read(self, then) -> None:
+        """After `then` (an event's .success or .then): the reading job in the engine slot, then the library."""
+        then(self.read_job, inputs=[self.browser, self.job_state],
+             outputs=[self.margins.panel, self.now_reading, self.library.library, self.controls.resume,
+                      self.document.notice],
+             concurrency_limit=self.slots, concurrency_id=ENGINE, show_progress="minimal",
+             show_progress_on=[self.margins.panel], **PRIVATE
+             ).then(self.refresh_library, inputs=[self.browser, self.session_state],
+                    outputs=[self.library.library], **QUIET)
+
+
+def build(service: Service, secret: str) -> gr.Blocks:
+    """The screen, panel by panel: each panel lays out its components, then wires its own events."""
+    with gr.Blocks(title="Marginalia") as demo:
+        screen = Screen(service, secret)
+        screen.wire(demo)
+        add_api(service)  # the API (gradio_client)
     return demo
 
 

@@ -107,12 +107,12 @@ def test_read_refuses_what_it_cannot_read(service, engine, tmp_path):
     with pytest.raises(UserError, match="settings"):
         service.settings(segment_tokens=8)
     assert snapshot(service.store, sid) == before
-    assert [s[1] for s in service.sessions("alice")] == [sid]  # nothing half-created
+    assert [r["id"] for r in service.store.library("alice")] == [sid]  # nothing half-created
 
 
 def test_sessions_belong_to_their_browser(service):
     sid = saved_session(service, owner="alice")
-    assert service.sessions("bob") == []
+    assert service.store.library("bob") == [] and "empty" in service.library_html("bob")
     for call in (lambda: service.view("bob", sid), lambda: service.set_mark("bob", sid, 0, True),
                  lambda: service.export("bob", sid), lambda: service.stop("bob", sid),
                  lambda: service.delete("bob", sid), lambda: service.start_answer("bob", sid, "Who?"),
@@ -138,7 +138,7 @@ def test_view_export_and_marks(service):
     data = json.load(open(js, encoding="utf-8"))
     assert data["format"] == "marginalia/1" and data["margins"][0]["mark"] is True
     assert data["answers"][0]["text"] == "A single man."
-    assert service.delete("alice", sid) and service.sessions("alice") == []
+    assert service.delete("alice", sid) and service.store.library("alice") == []
 
 
 def test_everything_from_documents_is_escaped():
