@@ -162,3 +162,41 @@ def test_app_switches_models_once_and_keeps_each_session_with_its_model(engine, 
     answer = list(service.answer_stream("alice", service.start_answer("alice", first, QUESTION)["session_id"],
                                         QUESTION))
     assert service.store.answers(first) and not any("notice" in u and u["notice"] for u in answer[:1])
+
+
+def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch):
+    """A bf16 load reads a copy of the fp32 conversion made once in bf16 (one copy of the weights in memory, not
+    the mapped fp32 file and its cast): every tensor equals the fp32 one cast, and the model loads from it."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(models, "CAST_SHARD_BYTES", 32 * 2**20)  # several shards, as for the 1.5B
+    source = models.convert_embedded()
+    monkeypatch.setenv("MARGINALIA_CACHE", str(tmp_path))
+    copy = tmp_path / source.name
+    copy.symlink_to(source, target_is_directory=True)  # a conversion in this test's cache directory
+    assert models._converted_fp32(copy) and not models._converted_fp32(source)  # only in the cache directory
+    folder = models.cast_folder(copy, torch.bfloat16)
+    assert folder == tmp_path / f"{source.name}-bfloat16"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    fp32 = load_file(next(source.glob("*.safetensors")))
+    assert set(index["weight_map"]) == set(fp32)
+    for file in set(index["weight_map"].values()):
+        with safe_open(folder / file, framework="pt") as f:
+            for key in f.keys():
+                assert f.get_tensor(key).dtype == torch.bfloat16
+                assert torch.equal(f.get_tensor(key), fp32[key].to(torch.bfloat16)), key
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert models.cast_folder(copy, torch.bfloat16) == folder and (folder / "config.json").stat().st_mtime_ns == stamp
+
+    monkeypatch.setattr(models, "resolve", lambda spec: (str(copy), "copy"))
+    lm = models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full")
+    assert lm.model.config.name_or_path == str(folder)
+    weight = lm.model.get_input_embeddings().weight
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, fp32["model.embed_tokens.weight"].to(torch.bfloat16))
+    monkeypatch.setenv("MARGINALIA_CAST_CACHE", "off")  # the fp32 conversion, cast while loading
+    assert models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full").model.config.name_or_path \
+        == str(copy)

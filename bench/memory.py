@@ -1,0 +1,97 @@
+"""`python -m bench.memory`: peak resident memory of a whole reading (load, read, answer) with the default model,
+the weights loaded two ways side by side, each in its own process: cast to the engine's dtype while loading the
+fp32 conversion (MARGINALIA_CAST_CACHE=off), and from the conversion copied once in that dtype (the default).
+
+Each peak is set against what the reading must hold: the weights, the 4-bit decode packs and the KV cache of the
+tokens read. Results: bench/results/memory.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import RESULTS, ROOT, SHARED, md_table, write_results
+
+SIDES = {"cast while loading": "off", "converted in the engine's dtype": "on"}
+
+
+def _peak_mib() -> float:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmHWM"].split()[0]) / 1024
+
+
+def child(spec: str, path: str) -> dict:
+    """One reading of a BABILong-form file, the way `python -m engine read` does it; its figures."""
+    from engine import Answer, Engine, Settings
+    from bench.baselines import kv_bytes_per_token
+
+    case = json.loads(Path(path).read_text())
+    engine = Engine.load(spec)
+    model = engine.lm.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    packs = (engine.lm.packs or {}).get("bytes", 0)
+    reading = engine.open(case["context"], Settings())
+    most = 0
+    for event in reading.read(case["query"]):
+        most = max(most, reading.cache.length)
+    answer = [e for e in reading.answer(case["query"]) if isinstance(e, Answer)][0]
+    most = max(most, reading.doc_end + reading.settings.answer_tokens)
+    kv = most * kv_bytes_per_token(model)
+    return {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "weights_mib": weights / 2**20,
+            "packs_mib": packs / 2**20, "kv_mib": kv / 2**20, "kv_tokens": most, "peak_rss_mib": _peak_mib(),
+            "answer": answer.text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the engine's default model")
+    parser.add_argument("--file", default=str(SHARED / "babilong" / "babilong_8k.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from engine.model import default_model
+    spec = args.model or default_model()
+    if args.child:
+        print(json.dumps(child(spec, args.file)))
+        return 0
+    rows = []
+    for label, cast in SIDES.items():
+        cmd = [sys.executable, "-m", "bench.memory", "--child", "--model", spec, "--file", args.file]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "MARGINALIA_CAST_CACHE": cast, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0:
+            raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
+        row = json.loads(done.stdout.strip().splitlines()[-1]) | {"side": label}
+        row["needed_mib"] = row["weights_mib"] + row["packs_mib"] + row["kv_mib"]
+        row["ratio"] = row["peak_rss_mib"] / row["needed_mib"]
+        rows.append(row)
+        print(f"{label}: peak {row['peak_rss_mib']:,.0f} MiB, {row['ratio']:.2f}x of weights + packs + KV "
+              f"({row['needed_mib']:,.0f} MiB)", flush=True)
+    meta = {"cpu": platform.processor() or platform.machine(), "file": Path(args.file).name, "model": rows[0]["model"],
+            "dtype": rows[0]["dtype"]}
+    try:
+        meta["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    table = [[r["side"], f"{r['weights_mib']:,.0f}", f"{r['packs_mib']:,.0f}", f"{r['kv_mib']:,.0f}",
+              f"{r['peak_rss_mib']:,.0f}", f"{r['ratio']:.2f}x"] for r in rows]
+    md = "\n".join(["# Peak memory of a reading\n",
+                    f"{meta['model']}, {meta['dtype']}, `{meta['file']}` read and answered (default settings), "
+                    f"one process per row; CPU: {meta['cpu']}.\n",
+                    md_table(["weights loaded", "weights MiB", "decode packs MiB", "KV MiB", "peak RSS MiB",
+                              "peak / (weights + packs + KV)"], table), "",
+                    f"Peak, cast while loading / converted once: "
+                    f"{rows[0]['peak_rss_mib'] / rows[1]['peak_rss_mib']:.2f}x.", ""])
+    paths = write_results(args.out, "memory", {"meta": meta, "rows": rows}, md)
+    print(md)
+    print(f"wrote {paths[0]} and {paths[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
