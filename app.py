@@ -25,6 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger("marginalia")
 SPACE_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # the default model, from the Hub (no PyPI parts on a Space)
+DATA = Path(__file__).resolve().parent / "data"  # the default data folder (data/README.md says what it holds)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -52,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if on_space else "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env_int("GRADIO_SERVER_PORT", 7860))
     p.add_argument("--no-browser", action="store_true", help="don't open a browser tab")
-    p.add_argument("--data-dir", default=os.environ.get("MARGINALIA_DATA", "data"),
-                   help="where the database and the browser-id secret live [env MARGINALIA_DATA, default ./data]")
+    p.add_argument("--data-dir", default=os.environ.get("MARGINALIA_DATA", str(DATA)),
+                   help="where the database, kept PDFs, caches and the browser-id secret live (see data/README.md) "
+                        "[env MARGINALIA_DATA, default: data/ beside app.py]")
     p.add_argument("--device", default=os.environ.get("MARGINALIA_DEVICE"), help="cpu, cuda, … (default: auto)")
     p.add_argument("--dtype", default=os.environ.get("MARGINALIA_DTYPE"), help="fp32, bf16, fp16 (default: auto)")
     p.add_argument("--decode-weights", default=os.environ.get("MARGINALIA_DECODE_WEIGHTS"),

@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 # A reading estimated to take longer than this gets a warning with the estimate before it starts.
 LONG_READ_SECONDS = 3600
 
+# "Try a sample": a short public-domain text (provenance in data/README.md) and a question about it, so that a
+# newcomer sees margins being written before choosing a file of their own.
+SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample",
+                      "alice-down-the-rabbit-hole.md")
+SAMPLE_QUESTION = "Why does Alice follow the White Rabbit, and what happens to her?"
+
 
 @dataclass
 class Defaults:

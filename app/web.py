@@ -20,6 +20,7 @@ import gradio as gr
 
 from . import render, worker
 from .library import library_html
+from .documents import SAMPLE, SAMPLE_QUESTION
 from .passage import empty_passage, page_html
 from .service import Service, UserError
 
@@ -127,6 +128,7 @@ class ModelPanel:
 class DocumentPanel:
     """The document to read (upload, what it is, notices) and the question."""
     upload: gr.File
+    sample: gr.Button
     info: gr.HTML
     notice: gr.HTML
     question: gr.Textbox
@@ -135,6 +137,8 @@ class DocumentPanel:
     def layout(cls) -> "DocumentPanel":
         return cls(gr.File(label="Document (.txt, .md, .pdf, .epub)", type="filepath", elem_id="doc-file",
                            height=120),
+                   gr.Button("Try a sample: the first pages of Alice in Wonderland", size="sm",
+                             variant="secondary", elem_id="sample-btn"),
                    gr.HTML(render.no_document(), js_on_load=None, elem_id="doc-info"),
                    gr.HTML("", js_on_load=None, elem_id="notice"),
                    gr.Textbox(label="Question", lines=2, max_lines=6, elem_id="question",
@@ -153,6 +157,29 @@ class DocumentPanel:
 
         self.upload.upload(on_upload, inputs=[ui.browser, self.upload, *ui.settings.inputs],
                            outputs=[ui.doc_state, self.info, self.notice], concurrency_limit=4, **PRIVATE)
+
+        def on_sample(owner, segment_tokens, margin_tokens, answer_tokens, classifier_name, margins_name,
+                      request: gr.Request):
+            """Read the sample with its question at once: margins appear without choosing anything."""
+            try:
+                doc_id, _ = service.add_upload(SAMPLE)
+                settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier_name,
+                                            margins_name)
+                session_id = service.start_read(owner, doc_id, SAMPLE_QUESTION, settings, tab=request.session_hash)
+            except UserError as e:
+                return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                        render.notice_html(str(e)), gr.skip())
+            ui.viewing.show(request, session_id)
+            return ({"kind": "read", "session_id": session_id}, session_id, doc_id,
+                    service.document_html(doc_id, settings), SAMPLE_QUESTION,
+                    service.waiting_panel(owner, session_id), render.answers_html([]), render.empty_segment(), "",
+                    gr.update(visible=False))
+
+        ui.then_read(self.sample.click(
+            on_sample, inputs=[ui.browser, *ui.settings.inputs],
+            outputs=[ui.job_state, ui.session_state, ui.doc_state, self.info, self.question, ui.margins.panel,
+                     ui.answer.answers, ui.now_reading, self.notice, ui.controls.resume],
+            concurrency_limit=None, **QUIET).success)
 
 
 @dataclass
