@@ -111,6 +111,24 @@ class Models:
         self.rates = {"prefill": 0.5 * self.rates["prefill"] + 0.5 * prefill,
                       "decode": 0.5 * self.rates["decode"] + 0.5 * decode}
 
+    def segment_work(self, segments: list, settings: Settings) -> list[float]:
+        """How much each segment costs to read, relative to the others: its tokens, each weighed by the
+        context it attends to. A token costs its weights (2 FLOPs each) plus 4 * layers * width FLOPs per
+        token of context before it: at `reach` tokens of context, attention costs as much as the weights.
+        Without this the ETA after segment 1 (read over an almost empty cache) is far too short for a long
+        document, whose later segments attend to thousands of tokens. (A model server: tokens alone.)"""
+        lm = self.engine.lm
+        config = getattr(getattr(lm, "model", None), "config", None)
+        if config is None or not lm.serial:
+            return [float(s.tokens) for s in segments]
+        if getattr(self, "_reach", (None,))[0] != lm.spec:
+            weights = sum(p.numel() for p in lm.model.parameters())
+            self._reach = (lm.spec, weights / (2 * config.num_hidden_layers * config.hidden_size))
+        reach = self._reach[1]
+        window = min(settings.context_limit or lm.context_length, lm.context_length)
+        # A long document is read in windows, each starting afresh (beside the margins it carries).
+        return [s.tokens * (reach + (s.token_start + s.tokens / 2) % window) for s in segments]
+
     def estimate_seconds(self, tokens: int, segments: int, settings: Settings) -> float:
         prefill = tokens + segments * 60
         if settings.classifier == "llm":

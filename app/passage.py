@@ -3,7 +3,7 @@ and for a PDF the page itself with the spans' character boxes drawn on it. No Gr
 
 Offsets. Everything here takes character offsets into the document's stored text (what the engine reads,
 what `margins.spans` and `documents.page_starts` refer to). Reflowing (joining a PDF's hard-wrapped lines,
-undoing end-of-line hyphenation) happens only on the way to the screen: `reflow` returns one display string
+undoing end-of-line hyphenation) happens only on the way to the screen: `render.reflow` returns one display string
 per source character, so a highlight still covers exactly the characters its offsets name.
 
 PDF pages. engine/documents.py stores each page's text cleaned (`_clean_pdf_text`) and joined with "\\n\\n".
@@ -25,50 +25,11 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
 from engine.documents import _PDFIUM_LOCK  # one lock for every PDFium call in the process
-from .render import esc, pages_label
+from .render import esc, pages_label, reflow
 
 CONTEXT_CHARS = 300          # text shown (dimmed) before and after the segment
 PAGE_SCALE = 1.5             # 108 dpi: readable in a ~600 px column without rendering huge bitmaps
 PAGE_CACHE = 12              # rendered pages kept in memory (PNG bytes of the unmarked page)
-
-
-# ---------------------------------------------------------------- reflow
-
-_LINE_END_PUNCT = tuple('.!?:;"”’)]')
-
-
-def reflow(text: str, start: int, end: int, dehyphenate: bool = False) -> list[str]:
-    """How to show each character of text[start:end], one string per character (so offsets stay as they are).
-
-    A line break inside a paragraph becomes a space; it stays a break after a blank line (the paragraph's
-    end) and after a short line that ends a sentence (a PDF paragraph's last line, a heading). With
-    `dehyphenate`, "exam-\\nple" shows as "example" (a letter, a hyphen at the line's end, a lower-case letter)."""
-    piece = text[start:end]
-    out = list(piece)
-    lines = piece.split("\n")
-    lengths = sorted(len(line.strip()) for line in lines if line.strip())
-    full = lengths[int(0.9 * (len(lengths) - 1))] if lengths else 0  # a full line's length, near enough
-    pos = 0
-    for n, line in enumerate(lines[:-1]):
-        nl = pos + len(line)  # index of this line's "\n" in piece
-        nxt = lines[n + 1]
-        stripped = line.rstrip()
-        if not stripped or not nxt.strip():
-            pos = nl + 1
-            continue  # a blank line on either side: a paragraph break, kept
-        short = len(stripped.strip()) < 0.7 * full
-        if dehyphenate and len(stripped) >= 2 and stripped[-1] == "-" and stripped[-2].isalpha() \
-                and nxt.lstrip()[:1].islower() and len(stripped) == len(line):
-            out[nl - 1] = ""   # the hyphen
-            out[nl] = ""       # the break
-        elif short and stripped.endswith(_LINE_END_PUNCT):
-            pass               # a paragraph's last line or a heading: keep the break
-        elif short and not stripped.endswith((",", "-")) and nxt.lstrip()[:1].isupper() and len(stripped) < 40:
-            pass               # a short title line before a capitalised one
-        else:
-            out[nl] = " "
-        pos = nl + 1
-    return out
 
 
 # ---------------------------------------------------------------- the passage, as text

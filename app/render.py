@@ -83,6 +83,7 @@ class Panel:
     used: set[int] = field(default_factory=set)      # margins the latest answer used
     window: int = 0        # context window being read (0: the first; a long text is read in several)
     classifier: str = "llm"
+    kind: str | None = None  # the document's (pdf, txt, ...): a PDF's and a text's notes are shown reflowed
     ready: bool = True   # False only in the page's initial HTML, before the load event has run
 
     @property
@@ -120,13 +121,58 @@ def _bit(value: bool | None) -> str:
     return "" if value is None else "1" if value else "0"
 
 
-def card_html(card: Card, classifier: str, used: bool = False) -> str:
+_LINE_END_PUNCT = tuple('.!?:;"”’)]')
+
+
+def reflow(text: str, start: int, end: int, dehyphenate: bool = False) -> list[str]:
+    """How to show each character of text[start:end], one string per character (so offsets stay as they are).
+
+    A line break inside a paragraph becomes a space; it stays a break after a blank line (the paragraph's
+    end) and after a short line that ends a sentence (a PDF paragraph's last line, a heading). With
+    `dehyphenate`, "exam-\\nple" shows as "example" (a letter, a hyphen at the line's end, a lower-case letter)."""
+    piece = text[start:end]
+    out = list(piece)
+    lines = piece.split("\n")
+    lengths = sorted(len(line.strip()) for line in lines if line.strip())
+    full = lengths[int(0.9 * (len(lengths) - 1))] if lengths else 0  # a full line's length, near enough
+    pos = 0
+    for n, line in enumerate(lines[:-1]):
+        nl = pos + len(line)  # index of this line's "\n" in piece
+        nxt = lines[n + 1]
+        stripped = line.rstrip()
+        if not stripped or not nxt.strip():
+            pos = nl + 1
+            continue  # a blank line on either side: a paragraph break, kept
+        short = len(stripped.strip()) < 0.7 * full
+        if dehyphenate and len(stripped) >= 2 and stripped[-1] == "-" and stripped[-2].isalpha() \
+                and nxt.lstrip()[:1].islower() and len(stripped) == len(line):
+            out[nl - 1] = ""   # the hyphen
+            out[nl] = ""       # the break
+        elif short and stripped.endswith(_LINE_END_PUNCT):
+            pass               # a paragraph's last line or a heading: keep the break
+        elif short and not stripped.endswith((",", "-")) and nxt.lstrip()[:1].isupper() and len(stripped) < 40:
+            pass               # a short title line before a capitalised one
+        else:
+            out[nl] = " "
+        pos = nl + 1
+    return out
+
+
+def reflowed(text: str, kind: str | None) -> str:
+    """`text` as the screen shows it: a PDF's or a plain text's line ends inside a paragraph joined (a PDF's
+    end-of-line hyphens undone too), as in the Passage view; Markdown and EPUB text keep their breaks."""
+    if kind not in ("pdf", "txt"):
+        return text
+    return "".join(reflow(text, 0, len(text), dehyphenate=kind == "pdf"))
+
+
+def card_html(card: Card, classifier: str, used: bool = False, kind: str | None = None) -> str:
     eff = card.effective
     pages = pages_label(card.pages)
     state = "done" if card.done else "writing"
     disabled = "" if card.done else " disabled"
     if card.text:
-        text = esc(card.text)
+        text = esc(reflowed(card.text, kind))
     else:
         text = '<span class="mg-empty">(the model wrote nothing)</span>' if card.done else ""
     used_attr = ' data-used="1"' if used else ""
@@ -178,7 +224,7 @@ def panel_html(panel: Panel) -> str:
         meta.append(f'<span class="mg-window" title="The text read before this window is no longer in the model\'s '
                     f'cache: the answer sees it only through the margin notes.">window {panel.window + 1} · '
                     f'earlier text held only in margins</span>')
-    cards = "".join(card_html(panel.cards[i], panel.classifier, i in panel.used) for i in sorted(panel.cards))
+    cards = "".join(card_html(panel.cards[i], panel.classifier, i in panel.used, panel.kind) for i in sorted(panel.cards))
     if not cards:
         cards = ('<div class="mg-placeholder">Margin notes appear here, one per segment, as the model writes '
                  'them. Mark each one relevant or not: the answer uses the ones you keep.</div>')
@@ -231,10 +277,13 @@ def empty_panel(ready: bool = True) -> str:
 # ---------------------------------------------------------------- the segment being read
 
 def segment_html(text: str, start: int, end: int, index: int, total: int, pages=None, tokens: int | None = None,
-                 context: int = 240, label: str = "Now reading") -> str:
-    """The current segment, with a little of the text around it (dimmed)."""
-    before = text[max(0, start - context):start]
-    after = text[end:end + context]
+                 context: int = 240, label: str = "Now reading", kind: str | None = None) -> str:
+    """The current segment, with a little of the text around it (dimmed), reflowed as `reflowed` does."""
+    lo = max(0, start - context)
+    shown = reflow(text, lo, min(len(text), end + context), dehyphenate=kind == "pdf") \
+        if kind in ("pdf", "txt") else list(text[lo:end + context])
+    before, current, after = ("".join(shown[:start - lo]), "".join(shown[start - lo:end - lo]),
+                              "".join(shown[end - lo:]))
     if start - context > 0:
         before = "…" + before.split(" ", 1)[-1] if " " in before else "…" + before
     if end + context < len(text):
@@ -248,7 +297,7 @@ def segment_html(text: str, start: int, end: int, index: int, total: int, pages=
         f'<div class="mg-segview" data-index="{index}"><div class="mg-segview-head">'
         f'<span class="mg-segview-label">{esc(label)}</span> {esc(" · ".join(meta))}</div>'
         f'<div class="mg-segview-body"><span class="mg-ctx">{esc(before)}</span>'
-        f'<mark class="mg-current">{esc(text[start:end])}</mark><span class="mg-ctx">{esc(after)}</span></div></div>'
+        f'<mark class="mg-current">{esc(current)}</mark><span class="mg-ctx">{esc(after)}</span></div></div>'
     )
 
 

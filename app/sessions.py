@@ -68,7 +68,8 @@ class Sessions:
                 and session["segments_read"] < session["segments_total"])
 
     def _panel(self, session: dict, margins: list[dict], segments: list) -> Panel:
-        panel = Panel(session_id=session["id"], classifier=session["settings"].get("classifier", "llm"))
+        panel = Panel(session_id=session["id"], classifier=session["settings"].get("classifier", "llm"),
+                      kind=session.get("document_kind"))
         panel.segments = [SegmentInfo(s.index, s.tokens, s.pages) for s in segments]
         for m in margins:
             pages = (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
@@ -100,7 +101,7 @@ class Sessions:
             seg = segments[min(last, len(segments) - 1)]
             label = "Last read" if panel.read else "First segment"
             segment = render.segment_html(doc["text"], seg.char_start, seg.char_end, seg.index, len(segments),
-                                          seg.pages, seg.tokens, label=label)
+                                          seg.pages, seg.tokens, label=label, kind=doc["kind"])
         else:
             segment = render.empty_segment()
         self.store.mark_opened(session_id)

@@ -326,7 +326,7 @@ class Store:
         return session_id
 
     _SESSION_SELECT = """
-        SELECT s.*, d.title AS title, d.name AS document_name,
+        SELECT s.*, d.title AS title, d.name AS document_name, d.kind AS document_kind,
                (SELECT count(*) FROM margins m WHERE m.session_id = s.id) AS margins_count,
                (SELECT count(*) FROM answers a WHERE a.session_id = s.id) AS answers_count
         FROM sessions s JOIN documents d ON d.id = s.document_id

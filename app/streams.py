@@ -140,20 +140,26 @@ class Streams:
     def _drive_read(self, job, panel: Panel, segments, doc, settings: Settings, stop, skipped: int):
         sid = job["session_id"]
         started = _now()
-        first_new_at = None
         tokens = 0
-        new_done = 0
-        remaining_new = len(segments) - skipped
         last_yield = 0.0
         sent = cached = 0  # prompt tokens sent to a server backend, and found in its prefix cache
-        estimate = self.estimate_seconds(sum(s.tokens for s in segments), remaining_new, settings)
+        estimate = self.estimate_seconds(sum(s.tokens for s in segments), len(segments) - skipped, settings)
+        # The ETA, once a new segment is done: this reading's own rate (seconds per unit of work: reading a
+        # segment and writing its margin) times the work left, each segment's work its tokens weighed by the
+        # context they attend to (segment_work). Margins kept from before are re-read, not written, and cost
+        # less: the rate is measured from the first new segment on.
+        work = self.segment_work(segments, settings)
+        new_from = started if not skipped else None  # when the first new segment began
+        new_left = sum(work[s.index] for s in segments if s.index not in job["skip"])
+        new_done = 0.0        # work of the new segments finished
+        last_done_at = None   # when the last of them was finished
 
         def refresh_eta():
             elapsed = _now() - started
             panel.tokens_per_s = tokens / elapsed if elapsed > 0.5 and tokens else None
-            if new_done and first_new_at is not None:
-                per = (_now() - first_new_at) / new_done
-                panel.eta_s = per * max(remaining_new - new_done, 0)
+            if new_done and new_from is not None:
+                rate = (last_done_at - new_from) / new_done
+                panel.eta_s = max(rate * new_left - (_now() - last_done_at), 0)
             else:
                 panel.eta_s = max(estimate - elapsed, 0)
 
@@ -170,17 +176,17 @@ class Streams:
                 panel.current = ev.index
                 seg = segments[ev.index]
                 if ev.index not in job["skip"]:
-                    first_new_at = first_new_at or _now()
                     panel.message = f"Writing the margin for segment {ev.index + 1} of {len(segments)}…"
                     panel.cards[ev.index] = Card(ev.index, seg.pages)
                 else:
+                    new_from = _now()  # the segment after a kept margin begins now
                     panel.message = f"Re-reading segment {ev.index + 1} of {len(segments)} (margin kept)…"
                 refresh_eta()
                 marks()
                 last_yield = _now()
                 yield {"panel": render.panel_html(panel),
                        "segment": render.segment_html(doc["text"], seg.char_start, seg.char_end, seg.index,
-                                                      len(segments), seg.pages, seg.tokens)}
+                                                      len(segments), seg.pages, seg.tokens, kind=doc["kind"])}
             elif isinstance(ev, MarginToken):
                 tokens += 1
                 card = panel.cards.setdefault(ev.index, Card(ev.index, segments[ev.index].pages))
@@ -197,14 +203,16 @@ class Streams:
                                        pages[0], pages[1], ev.tokens, ev.seconds, ev.spans)
                 card = panel.cards.setdefault(ev.index, Card(ev.index, seg.pages))
                 card.text, card.verdict, card.score, card.done = ev.text, ev.relevant, ev.score, True
-                new_done += 1
+                if ev.index not in job["skip"]:
+                    new_done, new_left, last_done_at = new_done + work[ev.index], new_left - work[ev.index], _now()
                 update = {}
                 if ev.index + 1 < len(segments):  # the engine goes straight on to the next segment
                     nxt = segments[ev.index + 1]
                     panel.current = nxt.index
                     panel.message = f"Reading segment {nxt.index + 1} of {len(segments)}…"
                     update["segment"] = render.segment_html(doc["text"], nxt.char_start, nxt.char_end, nxt.index,
-                                                            len(segments), nxt.pages, nxt.tokens)
+                                                            len(segments), nxt.pages, nxt.tokens,
+                                                            kind=doc["kind"])
                 refresh_eta()
                 marks()
                 last_yield = _now()
