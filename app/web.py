@@ -335,8 +335,11 @@ class LibraryPanel:
                 values[ui.view_outputs.index(ui.controls.resume)] = gr.update(visible=False)
             return (job, *values)
 
+        # always_last: an Open pressed while the previous one is still pending runs once that one is done
+        # (Gradio's default for a click, "once", would drop it: the library would say one reading, the panel
+        # show another).
         ui.then_read(self.library.click(on_library, inputs=[ui.browser], outputs=[ui.job_state, *ui.view_outputs],
-                                        concurrency_limit=None, **QUIET
+                                        concurrency_limit=None, trigger_mode="always_last", **QUIET
                                         ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
                                                outputs=[self.library], **QUIET).then)
 
