@@ -206,6 +206,8 @@ class Streams:
                 if ev.index not in job["skip"]:
                     new_done, new_left, last_done_at = new_done + work[ev.index], new_left - work[ev.index], _now()
                 update = {}
+                if len(panel.cards) == len(segments) and all(c.done for c in panel.cards.values()):
+                    panel.current, panel.message = None, "Saving the reading for follow-up questions…"
                 if ev.index + 1 < len(segments):  # the engine goes straight on to the next segment
                     nxt = segments[ev.index + 1]
                     panel.current = nxt.index
@@ -242,13 +244,14 @@ class Streams:
                     complete = all(i in panel.cards for i in range(len(segments)))
                     status, panel.status = ("read", "done") if complete else ("stopped", "stopped")
                 reuse = {"server_prompt_tokens": sent, "server_cached_tokens": cached} if sent else {}
+                # The worker saved a finished reading's cache before this event: recorded with "read", so a
+                # follow-up finds it whichever process (or restart) runs it.
+                if panel.status == "done" and os.path.exists(os.path.join(job["cache_dir"], Reading.SAVED)):
+                    reuse["cache_path"] = os.path.relpath(job["cache_dir"], self.data_dir)
                 self.store.update_session(sid, status=status, **reuse)
                 self.jobs.end(sid)  # before the last update, so the sessions list no longer says "reading"
                 panel.message, panel.eta_s = "", None
                 yield {"panel": render.panel_html(panel), "resume": panel.status != "done", "sessions": True}
-        # The worker saves a finished reading's cache after its last event: record it for later follow-ups.
-        if panel.status == "done" and os.path.exists(os.path.join(job["cache_dir"], Reading.SAVED)):
-            self.store.update_session(sid, cache_path=os.path.relpath(job["cache_dir"], self.data_dir))
 
     def start_answer(self, owner: str, session_id: str | None, question: str, tab: str | None = None) -> dict:
         session = self._session(owner, session_id)

@@ -114,17 +114,21 @@ def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event
     """job["kind"] == "read": read the document (skipping job["skip"] margins) and write margins.
     job["kind"] == "answer": make sure segments 0..job["last"] are in the cache (loaded from the reading
     saved in job["cache_dir"] after a restart, else re-read without writing margins), then answer from
-    job["selection"] (segment index -> margin text). A finished read is saved to job["cache_dir"]."""
+    job["selection"] (segment index -> margin text). A finished read is saved to job["cache_dir"] before its
+    last event (Stats) is yielded."""
     if _engine is None:
         raise RuntimeError("the engine is not loaded")
     reading = _reading(job)
     try:
         if job["kind"] == "read":
             skip = {int(k): v for k, v in (job.get("skip") or {}).items()}
-            yield from reading.read(job["query"], stop, skip=skip)
-            if job.get("cache_dir") and len(reading.read_segments) == len(reading.segments) and not (
-                    stop and stop.is_set()):
-                _save(reading, job["cache_dir"])
+            for ev in reading.read(job["query"], stop, skip=skip):
+                # Saved before the reading's last event reports it done: this process may be gone by the next
+                # call (a ZeroGPU worker, a restart), and the saved cache is all a follow-up then finds.
+                if isinstance(ev, Stats) and not ev.stopped and job.get("cache_dir") and len(
+                        reading.read_segments) == len(reading.segments):
+                    _save(reading, job["cache_dir"])
+                yield ev
             return
         last = int(job["last"])
         if not reading.read_segments and job.get("cache_dir"):
