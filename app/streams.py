@@ -55,6 +55,7 @@ class Streams:
             reading = self._open(doc, settings)
         except ValueError as e:  # DocumentTooLong included
             raise UserError(str(e)) from e
+        self._fits_one_gpu_call(self.estimate_seconds(len(reading.doc.token_ids), len(reading.segments), settings))
         session_id = self.store.create_session(owner, document_id, question, self.model, settings.to_dict(),
                                                len(reading.segments))
         self.store.update_session(session_id, tokens=len(reading.doc.token_ids))
@@ -72,9 +73,25 @@ class Streams:
             raise UserError(self._other_model(session, "Resume it"))
         if session["segments_read"] >= session["segments_total"]:
             raise UserError("This document has been read to the end already.")
+        self._fits_one_gpu_call(self._read_estimate(session, self.store.margins(session_id)))
         self.jobs.enqueue(session_id, tab)
         self.store.mark_opened(session_id)
         return session_id
+
+    def _read_estimate(self, session: dict, kept: list[dict]) -> float:
+        """Seconds of engine work to read the session's document, the margins in `kept` not written again."""
+        segments = self._segments_of(session)
+        return self.estimate_seconds(sum(s.tokens for s in segments), len(segments) - len(kept),
+                                     worker.settings_from(session["settings"]))
+
+    def _fits_one_gpu_call(self, estimate_s: float) -> None:
+        """On ZeroGPU a job runs in one GPU call, which the platform aborts past its duration: a job that cannot
+        fit is refused before it starts, never cut off half-way."""
+        if worker.ZERO_GPU and not worker.fits_one_call(estimate_s):
+            raise UserError(
+                f"This would take about {render.duration(estimate_s)} of GPU time, more than one GPU call on this "
+                f"Space may run ({worker.GPU_MAX_SECONDS} s). Upload a shorter text (or one part of it), log in "
+                "(a logged-in account gets more GPU time), or run Marginalia on your own machine (see the README).")
 
     def waiting_panel(self, owner: str, session_id: str) -> str:
         session = self._session(owner, session_id)
@@ -119,7 +136,8 @@ class Streams:
             skip = {m["segment_index"]: m["text"] for m in saved}
             job = {"kind": "read", "session_id": session_id, "text": doc["text"], "page_starts": doc["page_starts"],
                    "settings": settings.to_dict(), "query": session["question"], "skip": skip,
-                   "cache_dir": os.path.join(self.data_dir, "caches", session_id)}
+                   "cache_dir": os.path.join(self.data_dir, "caches", session_id),
+                   "estimate_s": self._read_estimate(session, saved)}
             yield from self._drive_read(job, panel, segments, doc, settings, stop, len(skip))
             finished = True
         except Exception as e:  # a bug or an engine failure: keep what was saved, say what happened
@@ -289,7 +307,11 @@ class Streams:
                    "page_starts": doc["page_starts"], "settings": settings.to_dict(), "query": session["question"],
                    "question": question, "skip": {m["segment_index"]: m["text"] for m in margins},
                    "last": max(m["segment_index"] for m in margins), "selection": selection,
-                   "cache_dir": self._cache_dir(session)}
+                   "cache_dir": self._cache_dir(session),
+                   # the question and the answer, and the document again if no saved cache will be found
+                   "estimate_s": (0 if self._cache_dir(session) else self._read_estimate(session, margins))
+                   + self.estimate_seconds(len(question) // 3 + 200, 0, settings)
+                   + settings.answer_tokens / max(self.rates["decode"], 0.1)}
             started, last_yield = _now(), 0.0
             for ev in worker.run(job, stop):
                 if isinstance(ev, SegmentRead):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -102,12 +103,27 @@ def _reading(job: dict) -> Reading:
     return reading
 
 
+# ZeroGPU: a call asks for its duration up front, is counted against the visitor's quota on what it asks, and is
+# aborted past it; a duration above the platform's per-call maximum is refused (the `spaces` client reports only
+# "larger than the maximum allowed"; the platform's docs use 120 s as their example of a long call).
+GPU_MAX_SECONDS = int(os.environ.get("MARGINALIA_GPU_MAX_SECONDS", "120"))
+GPU_START_SECONDS = 10  # a fresh worker: the fork, the model's first touch of the GPU, a saved cache loaded
+GPU_SLACK = 1.5         # the estimate comes from rates measured on earlier texts, not this one
+
+
+def gpu_seconds(estimate_s: float) -> int:
+    """The duration a call with `estimate_s` seconds of engine work asks for (before GPU_MAX_SECONDS)."""
+    return math.ceil(GPU_START_SECONDS + GPU_SLACK * max(estimate_s, 0.0))
+
+
+def fits_one_call(estimate_s: float) -> bool:
+    return gpu_seconds(estimate_s) <= GPU_MAX_SECONDS
+
+
 def _gpu_seconds(job: dict, stop=None) -> int:
-    """ZeroGPU asks for a duration up front: a generous guess from the amount of work."""
-    tokens = len(job.get("text", "")) // 4
-    margins = tokens // max(int(job["settings"].get("segment_tokens", 1024)), 32) + 1
-    work = tokens / 2000 + margins * int(job["settings"].get("margin_tokens", 96)) / 30
-    return int(min(300, max(60, 20 + work)))
+    """The duration this job asks ZeroGPU for: job["estimate_s"], from the app's measured rates and the work
+    (the caller refuses a job that does not fit one call, so the cap here never cuts a job short)."""
+    return min(GPU_MAX_SECONDS, gpu_seconds(float(job.get("estimate_s") or 0.0)))
 
 
 def engine_job(job: dict, stop: threading.Event | None = None) -> Iterator[Event]:

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 import zerogpu
-from app.service import Defaults, Service
+from app.service import Defaults, Service, UserError
 from app.storage import Store
 from conftest import SHARED
 
 DEFAULTS = Defaults(segment_tokens=64, margin_tokens=8, answer_tokens=8, classifier="none")
+CPU_MAX_SECONDS = 120 * 50
 RE_READ = "Loading the document into memory first"  # what an answer says while it reads the document again
 
 
@@ -25,10 +26,14 @@ RE_READ = "Loading the document into memory first"  # what an answer says while 
 def zero_gpu():
     """app.worker as a ZeroGPU Space loads it: `spaces` is the double, SPACES_ZERO_GPU is set."""
     from app import worker
-    real, env = sys.modules.get("spaces"), os.environ.get("SPACES_ZERO_GPU")
+    saved = {k: os.environ.get(k) for k in ("SPACES_ZERO_GPU", "MARGINALIA_GPU_MAX_SECONDS")}
+    real = sys.modules.get("spaces")
     sys.modules["spaces"] = zerogpu
     os.environ["SPACES_ZERO_GPU"] = "true"
-    zerogpu.PLATFORM.reset(seed=3, keep=0.5)
+    # A shared 2-core CPU is some fifty times slower than a GPU slice: the per-call maximum scaled alike (both
+    # the app's and the double's), and no timed aborts (how long a call takes here depends on the load).
+    os.environ["MARGINALIA_GPU_MAX_SECONDS"] = str(CPU_MAX_SECONDS)
+    zerogpu.PLATFORM.reset(seed=3, keep=0.5, abort=False, max_duration=CPU_MAX_SECONDS)
     importlib.reload(worker)
     assert worker.ZERO_GPU and worker.engine_job.__wrapped__.__module__ == "app.worker"
     try:
@@ -39,10 +44,11 @@ def zero_gpu():
             sys.modules.pop("spaces", None)
         else:
             sys.modules["spaces"] = real
-        if env is None:
-            os.environ.pop("SPACES_ZERO_GPU", None)
-        else:
-            os.environ["SPACES_ZERO_GPU"] = env
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         importlib.reload(worker)
 
 
@@ -78,10 +84,12 @@ def ask(service: Service, owner: str, sid: str, question: str) -> str:
     return answer["text"]
 
 
-def test_the_service_under_zerogpus_process_model(engine, tmp_path, zero_gpu):
+def test_the_service_under_zerogpus_process_model(engine, tmp_path, zero_gpu, capsys):
     from app import worker
     db = tmp_path / "marginalia.db"
     service = Service(engine, Store(db), DEFAULTS)
+    # No warm-up, as on ZeroGPU (the main process has no GPU): the rates each call's duration is asked from are
+    # the defaults, then those learned from the readings' own Stats.
     owner = "alice"
 
     # Upload, read with live margins, Stop after the second margin.
@@ -131,3 +139,19 @@ def test_the_service_under_zerogpus_process_model(engine, tmp_path, zero_gpu):
     assert all(c["name"] == "app.worker.engine_job" for c in zero_gpu.calls)
     assert workers.count("fresh") >= 3 and "reused" in workers, workers
     assert [c["end"] for c in zero_gpu.calls].count("done") == len(zero_gpu.calls) - 1  # all but the Stop
+
+    # Durations: each call asked for what its work needs (the service's measured rates times the work), never
+    # more than the platform's per-call maximum.
+    with capsys.disabled():
+        print("\nGPU calls (worker, seconds asked, seconds taken, end):",
+              [(c["worker"], c["duration"], round(c["seconds"], 1), c["end"]) for c in zero_gpu.calls])
+    # (Whether a call finished within what it asked depends on this CPU's load, so it is printed, not asserted.)
+    asked = [c["duration"] for c in zero_gpu.calls]
+    assert all(0 < d <= worker.GPU_MAX_SECONDS for d in asked) and len(set(asked)) > 1
+
+    # A reading too long for one GPU call is refused before it starts, with the estimate and what to do.
+    service.rates = {"prefill": 0.05, "decode": 0.005}  # as slow as a machine where this text takes hours
+    calls = len(zero_gpu.calls)
+    with pytest.raises(UserError, match=r"about .+ of GPU time.+shorter text.+log in.+your own machine"):
+        service.start_read(owner, doc, "Who does Alice follow?", service.settings())
+    assert len(zero_gpu.calls) == calls
