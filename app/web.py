@@ -294,11 +294,15 @@ class SettingsPanel:
 class LibraryPanel:
     """The library: this browser's documents and readings, to open, continue or delete."""
     library: gr.HTML
+    # The job a Continue starts: its own state, not the Screen's job_state, which a Read queued behind the
+    # engine still has to read when its turn comes (an Open meanwhile must not turn that Read into nothing).
+    job: gr.State
 
     @classmethod
     def layout(cls) -> "LibraryPanel":
         with gr.Accordion("Library", open=True, elem_id="sessions-box"):
-            return cls(gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library"))
+            return cls(gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library"),
+                       gr.State(None))
 
     def wire(self, ui: "Screen") -> None:
         service, viewing = ui.service, ui.viewing
@@ -338,10 +342,10 @@ class LibraryPanel:
         # always_last: an Open pressed while the previous one is still pending runs once that one is done
         # (Gradio's default for a click, "once", would drop it: the library would say one reading, the panel
         # show another).
-        ui.then_read(self.library.click(on_library, inputs=[ui.browser], outputs=[ui.job_state, *ui.view_outputs],
+        ui.then_read(self.library.click(on_library, inputs=[ui.browser], outputs=[self.job, *ui.view_outputs],
                                         concurrency_limit=None, trigger_mode="always_last", **QUIET
                                         ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
-                                               outputs=[self.library], **QUIET).then)
+                                               outputs=[self.library], **QUIET).then, job=self.job)
 
 
 @dataclass
@@ -607,9 +611,10 @@ class Screen:
         except UserError as e:
             yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
 
-    def then_read(self, then) -> None:
-        """After `then` (an event's .success or .then): the reading job in the engine slot, then the library."""
-        then(self.read_job, inputs=[self.browser, self.job_state],
+    def then_read(self, then, job: gr.State | None = None) -> None:
+        """After `then` (an event's .success or .then): the reading job (`job`, else job_state) in the engine
+        slot, then the library."""
+        then(self.read_job, inputs=[self.browser, self.job_state if job is None else job],
              outputs=[self.margins.panel, self.now_reading, self.library.library, self.controls.resume,
                       self.document.notice],
              concurrency_limit=self.slots, concurrency_id=ENGINE, show_progress="minimal",
