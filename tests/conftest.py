@@ -71,8 +71,9 @@ class AppServer:
     """`python app.py` in a subprocess. restart() keeps the data directory and the port (the browser's
     localStorage, hence its identity, belongs to the origin)."""
 
-    def __init__(self, data_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None):
-        self.data_dir, self.args = Path(data_dir), list(args)
+    def __init__(self, data_dir: Path, *args: str, port: int | None = None, log_path: Path | None = None,
+                 python: str = sys.executable, env: dict | None = None):
+        self.data_dir, self.args, self.python, self.extra_env = Path(data_dir), list(args), python, env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or self.data_dir.parent / f"app-{self.port}.log"
@@ -80,8 +81,8 @@ class AppServer:
 
     def start(self, timeout: float = 300) -> "AppServer":
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, str(ROOT / "app.py"), "--no-browser", "--host", "127.0.0.1", "--port",
+               "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1", **self.extra_env}
+        cmd = [self.python, str(ROOT / "app.py"), "--no-browser", "--host", "127.0.0.1", "--port",
                str(self.port), "--data-dir", str(self.data_dir), *self.args]
         deadline = time.monotonic() + timeout
         for attempt in range(3):  # right after a kill the port can take a moment to come free
