@@ -24,8 +24,27 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("marginalia")
-SPACE_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # the default model, from the Hub (no PyPI parts on a Space)
+# A Space's default model, from the Hub (no PyPI parts there), by the hardware it finds; each is listed in README.md's
+# front matter (`models:`, `preload_from_hub:`). The 7B is the 1.5B's family (Qwen2 architecture, the same code
+# path) as a general instruct model in bf16 (~15 GB of weights): a ZeroGPU slice (70 GB) or a GPU of 24 GB or more.
+SPACE_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # the fallback: a CPU Space or a small GPU
+SPACE_GPU_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+SPACE_GPU_GB = 24
 DATA = Path(__file__).resolve().parent / "data"  # the default data folder (data/README.md says what it holds)
+
+
+def space_model() -> str:
+    """The default model on a Space: the 7B where the hardware holds it, else the 1.5B. On ZeroGPU the main
+    process must not touch CUDA, so its slice is known from SPACES_ZERO_GPU, not asked of torch."""
+    if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true"):
+        return SPACE_GPU_MODEL
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= SPACE_GPU_GB * 2**30:
+            return SPACE_GPU_MODEL
+    except Exception:  # no usable GPU: the fallback
+        pass
+    return SPACE_MODEL
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -41,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine.model import default_model
 
     p.add_argument("--model",
-                   default=os.environ.get("MARGINALIA_MODEL") or (SPACE_MODEL if on_space else default_model()),
+                   default=os.environ.get("MARGINALIA_MODEL") or (space_model() if on_space else default_model()),
                    help="`qwen2.5-1.5b` (from PyPI; the default where installed, else `embedded`), `embedded` "
                         "(SmolLM2-135M, no download), a .gguf file, a Hugging Face model id, or a local folder "
                         "[env MARGINALIA_MODEL]")
