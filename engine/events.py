@@ -80,6 +80,8 @@ class Answer(Event):
     margins_used: list[int] = field(default_factory=list)
     query: str = ""
     ending: str = ""          # end | paragraph | repeat | limit (cut at the answer's token cap)
+    citations: list[int] = field(default_factory=list)  # segments the answer cites ("[segment 12]"), 0-based
+    passages: list[int] = field(default_factory=list)   # past the window: segments re-read for the answer
 
 
 @dataclass(frozen=True)

@@ -63,16 +63,18 @@ class PromptLayout:
 
 
 def fit_notes(notes: dict[int, str], scores: dict[int, float], build: Callable[[str], list[int]], room: int,
-              in_cache: set[int]) -> tuple[list[int], list[int], list[int]]:
+              in_cache: set[int], label: Callable[[int], str] = lambda i: f"segment {i + 1}"
+              ) -> tuple[list[int], list[int], list[int]]:
     """(ids, used, dropped): the prompt `build(lines)` made with as many of `notes` (segment index -> text, in
     text order) as fit in `room` tokens. Given up first, when not all fit: notes on segments whose text is in
     the cache anyway (the prompt follows that text), then the lowest `scores` (1.0 where missing), then the
     earliest. A whole novel has ~130 kept margins and room for ~25: keeping the first 25 would lose every late
-    chapter."""
+    chapter. Each note is one line, in text order, tagged with `label(index)` (where it came from), so that
+    an answer can cite it."""
     give_up = iter(sorted(notes, key=lambda i: (i not in in_cache, scores.get(i, 1.0), i)))
     used, dropped = list(notes), []
     while True:
-        ids = build("\n".join(f"- (part {i + 1}) {notes[i]}" for i in used))
+        ids = build("\n".join(f"- [{label(i)}] {notes[i]}" for i in used))
         if len(ids) <= room or not used:
             return ids, used, sorted(dropped)
         victim = next(give_up)

@@ -6,31 +6,30 @@ Cache layout while reading (one window):
     [prefix][segment 0][segment 1]...[segment i]   <- kept
                                               [margin instruction][margin tokens]   <- scratch, cut off (O(1))
 
-and while answering:
+and while answering (engine/answering.py, which also lays out the answer window past the context window):
 
     [prefix][segment 0]...[segment n-1][answer instruction with margins + question][answer tokens]
 
-After an answer the cache is cut back to the end of the document, so follow-up questions reuse it.
+After an answer the cache is cut back to the end of the document, so follow-up questions reuse it. A finished
+reading is saved and taken up again by engine/saved.py.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
-import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from . import saved
+from .answering import ANSWER_STYLES, Answering, note_label
 from .cache import key_rotation
 from .classify import Classifier, embed
-from .events import Answer, AnswerToken, Event, Notice, SegmentRead, Stats, WindowStart
-from .generate import DecodeResult, Meter, Stopped, peak_memory_bytes
+from .events import Event, Notice, SegmentRead, Stats, WindowStart
+from .generate import Meter, Stopped, peak_memory_bytes
 from .margin_writing import MarginNote, MarginWriting
 from .margins import MARGIN_STYLES
 from .model import LoadedModel, load_model, release_freed_memory
@@ -67,12 +66,16 @@ class Settings:
     window_cache_budget_bytes: int = 512 * 2**20
     window_cache_disk: bool = True
     keep_windows: bool = True          # keep each window's cache for follow-ups (remargin); off: none kept
+    # Past the window: lookup (the kept notes' passages re-read into the answer window, then the notes) | notes
+    answer_style: str = "lookup"
 
     def validate(self) -> "Settings":
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.window not in WINDOWS:
             raise ValueError(f"window must be one of {', '.join(WINDOWS)}")
+        if self.answer_style not in ANSWER_STYLES:
+            raise ValueError(f"answer_style must be one of {', '.join(ANSWER_STYLES)}")
         if self.margins not in MARGIN_STYLES:
             raise ValueError(f"margins must be one of {', '.join(MARGIN_STYLES)}")
         if self.window_cache_budget_bytes < 0:
@@ -151,6 +154,7 @@ class Reading:
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.notes = MarginWriting(engine, settings, self.doc, self.runner, self.generator)
+        self.answering = Answering(self)
         self._plan_windows()
 
     @property
@@ -291,7 +295,7 @@ class Reading:
         classifier = Classifier(self.settings.classifier, self.runner, self.layout, self.settings.embedding_threshold)
         windows = [w for w in self.windows if w.boundaries]
         try:
-            if len(windows) > 1 and not windows[-1].kept:
+            if len(windows) > 1 and not windows[-1].kept and self.cache_window is windows[-1]:
                 notice = self._keep_window(windows[-1])  # the last window's cache is about to be overwritten
                 if notice:
                     yield notice
@@ -328,8 +332,8 @@ class Reading:
         span = f"segments {window.segments[0] + 1}-{window.segments[-1] + 1}"
         yield Notice(f"The cache of window {window.index + 1} was not kept: {span} are read again for the new "
                      "question." if query is not None else
-                     f"A stopped follow-up left another part of the text in the cache: window {window.index + 1} "
-                     f"({span}) is read again for the answer.")
+                     f"The cache holds another part of the text (after a stopped follow-up or an answer's "
+                     f"look-up): window {window.index + 1} ({span}) is read again for the answer.")
         self.cache.truncate(0)
         self.cache_window = window
         with self.engine.lock:
@@ -352,7 +356,8 @@ class Reading:
         notes = {i: self.margins[i].text for i in self.default_selection()}
         prefix, notes, _ = fit_notes(notes, self._note_scores(),
                                      lambda lines: self.layout.window_prefix(lines or "(none so far)"),
-                                     len(self.layout.prefix) + self.limit // 4, in_cache=set())
+                                     len(self.layout.prefix) + self.limit // 4, in_cache=set(),
+                                     label=lambda i: note_label(self.segments[i]))
         self.window += 1
         self.cache.truncate(0)
         with self.engine.lock:
@@ -389,52 +394,17 @@ class Reading:
         self.doc_end = window.doc_end
         self.cache_window = window
 
-    # ---- saving a finished reading for another process ------------------------------------------------
-    SAVED = "reading.json"
+    # ---- saving a finished reading for another process (engine/saved.py) --------------------------------
+    SAVED = saved.SAVED  # the metadata file of a saved reading's folder
 
     def fingerprint(self) -> str:
-        """What a saved cache depends on: the model, the document's tokens and the settings."""
-        blob = json.dumps([self.engine.lm.name, str(self.engine.lm.dtype), self.settings.to_dict(),
-                           hashlib.sha256(str(self.doc.token_ids).encode()).hexdigest()], sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return saved.fingerprint(self)
 
     def save(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
-        """Write every window's cache (safetensors) and what follow-up questions need (reading.json) to
-        `folder`, replacing what was there; written aside first, so a half-written folder is never loaded.
-        `max_bytes` caps the cache files: the last window is always saved (answers need it), earlier windows
-        newest first while the cap allows; a follow-up re-reads the windows left out."""
-        if not hasattr(self.cache, "save"):
-            raise RuntimeError(f"a {self.cache.kind} cache cannot be saved")
-        folder = Path(folder)
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        windows = self.window_store.save(partial, self.cache, max_bytes)
-        meta = {"fingerprint": self.fingerprint(), "query": self.query, "window": self.window,
-                "read_segments": self.read_segments, "windows": windows,
-                "margins": [asdict(m) for m in self.margins.values()]}
-        (partial / self.SAVED).write_text(json.dumps(meta), encoding="utf-8")
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)
+        saved.save(self, folder, max_bytes)
 
     def restore(self, folder: str | os.PathLike) -> bool:
-        """Take up a reading saved by save() (in this or another process): the last window goes into the
-        cache, the others stay on disk until remargin() needs them. False if it was saved for another model,
-        text or settings, or is missing."""
-        folder = Path(folder)
-        try:
-            meta = json.loads((folder / self.SAVED).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return False
-        if meta.get("fingerprint") != self.fingerprint():
-            return False
-        self._reset(Meter())
-        self.window_store.restore(meta["windows"], folder)
-        self._load_window(self.windows[-1])
-        self.window, self.query = meta["window"], meta["query"]
-        self.read_segments[:] = meta["read_segments"]
-        self.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
-        return True
+        return saved.restore(self, folder)
 
     def _reset(self, meter: Meter) -> None:
         self.meter = self.runner.meter = meter
@@ -477,66 +447,27 @@ class Reading:
                 if m.text and (m.relevant if m.relevant is not None else True)]
 
     def answer(self, query: str, margins: list[int] | dict[int, str] | None = None,
-               stop: threading.Event | None = None, plain: bool = False) -> Iterator[Event]:
-        """Answer from the cache: document, then the chosen margins, then the question.
+               stop: threading.Event | None = None, plain: bool = False, template: str | None = None,
+               style: str | None = None) -> Iterator[Event]:
+        """Answer from the cache (engine/answering.py): what it holds of the text, then the chosen margins,
+        then the question.
 
         `margins`: the human-in-the-loop override, a list of segment indexes (texts from this reading) or a
         dict index -> text (margins restored from storage). None: the classifier's selection.
         `plain`: answer as plain reading does (the question straight after the document, no margins). Inside
         one window a wim reading's cache at the document's end is plain reading's cache (the notes were cut
-        off), so one read can answer both ways."""
-        if plain and self.multiwindow:
-            raise RuntimeError("A multi-window reading holds only its last window: plain reading answers from "
-                               "its own read.")
-        if not self.read_segments:
-            raise RuntimeError("Nothing has been read yet: call read() first.")
-        query = query.strip()
-        self.meter = self.runner.meter = Meter()
-        if self.cache_window is not self.windows[-1]:
-            try:
-                yield from self._reread_window(self.windows[-1], stop)
-            except Stopped:
-                self.cache_window = None  # half built: the next answer builds it again
-                yield self._stats("answer", stopped=True)
-                return
-        self.cache.truncate(self.doc_end)
-        if isinstance(margins, dict):
-            notes = dict(sorted(margins.items()))
-        else:
-            selection = self.default_selection() if margins is None else sorted(margins)
-            notes = {i: self.margins[i].text for i in selection if i in self.margins}
-        if self.settings.mode == "wim" and not plain:
-            ids, used, dropped = self._answer_prompt(query, notes)
-            if dropped:
-                yield Notice(f"{len(dropped)} margin(s) did not fit in the context window and were left out "
-                             f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
-        else:
-            ids, used = self.layout.suffix("answer_plain", query=query), []
-        result = DecodeResult()
-        try:
-            with self.engine.lock:
-                logits = self.runner.prefill(ids, self.cache, stop)
-                room = self.limit - self.cache.length
-                for _, piece in self.runner.decode(self.cache, logits, min(self.settings.answer_tokens, room),
-                                                   stop, self.settings.temperature, self.generator,
-                                                   result=result, paragraph=True):
-                    if piece:
-                        yield AnswerToken(piece)
-        except Stopped:
-            yield self._stats("answer", stopped=True)
-            return
-        finally:
-            self.cache.truncate(self.doc_end)  # ready for a follow-up question
-        yield from self.runner.drain()
-        yield Answer(result.text.strip(), used, query, result.reason)
-        yield self._stats("answer")
+        off), so one read can answer both ways. `template`, `style`: see Answering.answer."""
+        yield from self.answering.answer(query, margins, stop, plain, template, style)
 
-    def _answer_prompt(self, query: str, notes: dict[int, str]) -> tuple[list[int], list[int], list[int]]:
-        """Answer suffix with as many of the chosen margins as fit before the answer's own room."""
-        return fit_notes(notes, self._note_scores(),
-                         lambda lines: self.layout.suffix("answer", query=query, margins=lines or "(none)"),
-                         self.limit - self.doc_end - self.settings.answer_tokens,
-                         in_cache=set(self.windows[-1].segments) if self.windows else set())
+    def last_window_in_cache(self, stop: threading.Event | None = None) -> Iterator[Event]:
+        """Make the cache hold the last window again (after a look-up answer or a remargin left another there)."""
+        last = self.windows[-1]
+        if self.cache_window is last:
+            return
+        if last.kept:
+            self._load_window(last)
+        else:
+            yield from self._reread_window(last, stop)
 
     def _note_scores(self) -> dict[int, float]:
         """The classifier's score of each margin written (1.0 where it gave none)."""

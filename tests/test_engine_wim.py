@@ -123,7 +123,7 @@ def test_follow_up_reuses_cache_and_human_selection(engine):
     stats = [e for e in follow if isinstance(e, Stats)][0]
     assert ans.margins_used == [0] and ans.query == "What is the name of Alice's cat?"
     expected = len(engine.layout.suffix("answer", query="What is the name of Alice's cat?",
-                                        margins="- (part 1) Alice's cat is Dinah."))
+                                        margins="- [segment 1] Alice's cat is Dinah."))
     assert stats.prefill_tokens == expected                                # no document tokens re-read
     assert reading.cache.length == doc_end
 

@@ -144,8 +144,10 @@ def test_saved_cache_gives_bit_identical_logits(engine, tmp_path):
 # ---- follow-up questions on a text read in several windows ---------------------------------------------------
 # 46,080 bytes a token (30 layers x keys and values x 3 heads x 64 dims x fp32): a 20 MiB budget keeps window 0
 # in memory and sends the later windows to disk, so both ways back are exercised.
+# Answers from the last window and the notes (answer_style "notes"): these tests are about the windows' caches;
+# the look-up answer window has tests of its own below.
 WINDOWED = Settings(segment_tokens=100, margin_tokens=8, answer_tokens=8, classifier="none", context_limit=512,
-                    window_cache_budget_bytes=20 * 2**20, margins="abstractive")
+                    window_cache_budget_bytes=20 * 2**20, margins="abstractive", answer_style="notes")
 OLD, NEW = "Where does Alice fall?", "What is the name of Alice's cat?"
 
 
@@ -258,11 +260,13 @@ def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_the
     """A novel keeps ~130 margins and the answer has room for ~25. Those given up first: margins on segments
     still in the cache (the answer reads their text), then the lowest scores, then the earliest."""
     from engine.margin_writing import MarginNote
+    from engine.answering import Answering
     reading = copy.copy(windowed[1])  # the margins below are this test's own
+    reading.answering = Answering(reading)
     n = len(reading.segments)
     reading.margins = {i: MarginNote(i, "", True, 0.9 if i % 2 else 0.6) for i in range(n)}
     notes = {i: "Alice saw the White Rabbit run past her. " * 3 for i in range(n)}  # ~30 tokens: not all fit
-    ids, used, dropped = reading._answer_prompt(NEW, notes)
+    ids, used, dropped = reading.answering.notes_prompt(NEW, notes)
     assert used and dropped and sorted(used + dropped) == list(range(n)) and used == sorted(used)
     last = reading.windows[-1].segments
     order = last + [i for i in range(n) if i not in last and i % 2 == 0] + [i for i in range(n) if i not in last and i % 2]
@@ -285,3 +289,34 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     re_read = [e.text for e in events if isinstance(e, Notice) and "read again" in e.text]
     assert len(re_read) == len(reading.windows) - 2
+
+
+def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
+    """A 3-window reading (the look-up answer, the default): the answer window holds the passages of the kept
+    notes, re-read in document order (their token ids), then the notes in reading order and the question. The
+    last window was kept first, so a notes-only answer afterwards finds it as the reading left it."""
+    text = _alice(3200)
+    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
+    list(reading.read(OLD))
+    assert len(reading.windows) >= 3 and reading.multiwindow
+    kept = reading.default_selection()
+    events = list(reading.answer(OLD))
+    answer = next(e for e in events if isinstance(e, Answer))
+    window = reading.answering.window
+    assert window.passages and answer.passages == window.passages == sorted(window.passages)
+    assert set(window.passages) <= set(kept)
+    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
+    assert window.ids[:len(passages)] == passages
+    assert reading.cache.length == len(engine.layout.prefix) + len(passages)  # prefix, passages; answer cut off
+    after = engine.lm.tokenizer.decode(window.ids[len(passages):])
+    at = [after.index(f"- [segment {i + 1}] {reading.margins[i].text}") for i in answer.margins_used]
+    assert answer.margins_used and at == sorted(at) and after.rindex(OLD) > at[-1]
+    if len(window.passages) < len(kept):
+        assert any(isinstance(e, Notice) and "re-reads the passages" in e.text for e in events)
+    # Back to the last window for a notes-only answer: the same answer as a reading that never looked up.
+    again = next(e for e in reading.answer(OLD, style="notes") if isinstance(e, Answer))
+    fresh = engine.open(text, WINDOWED)
+    list(fresh.read(OLD))
+    plain = next(e for e in fresh.answer(OLD) if isinstance(e, Answer))
+    assert again.passages == [] and again.text == plain.text
+    assert reading.cache.length == reading.doc_end == reading.windows[-1].doc_end

@@ -1,0 +1,211 @@
+"""Answers a question from a reading's cache: what the cache holds of the text (past the window, the passages of
+the kept notes read again), then the chosen notes in reading order, each tagged with its segment and page, then
+the question; the answer cites the notes it used and ends at a sentence end.
+
+Cache layout of an answer inside one window (the document was prefilled once, while reading):
+
+    [prefix][segment 0]...[segment n-1][notes + question][answer tokens]      <- cut back to the document's end
+
+and past the window, where the cache holds only the last window (ReadAgent's look-up, in WiM's terms: context
+plus margins, which the paper's ablation found better than either alone):
+
+    [prefix][passage of kept note a][passage of kept note b]...[notes + question][answer tokens]
+
+The look-up window replaces the last window in the cache (kept first, for remargin and follow-ups).
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from .events import Answer, AnswerToken, Event, Notice
+from .generate import DecodeResult, Meter, Stopped
+from .prompts import fit_notes, prompt
+
+if TYPE_CHECKING:
+    from .wim import Reading
+
+ANSWER_STYLES = ("lookup", "notes")  # past the window: the kept notes' passages re-read, or the notes alone
+# "[segment 12]", "[segments 3 and 5]", "[segment 3, page 2]", "[segments 4-6]": one citation each.
+CITATION = re.compile(r"\[\s*(?:segments?|parts?)\s+([0-9][0-9,;\s\-–and]*)(?:,?\s*pages?\s+[0-9\-–]+)?\s*\]",
+                      re.IGNORECASE)
+NOT_STATED = re.compile(r"\b(?:does not|doesn't|do not|did not) (?:say|state|mention|tell)|\bnot (?:stated|mentioned|"
+                        r"given|specified)\b", re.IGNORECASE)
+# A sentence ends at . ! ? (after a quote or bracket too, or a citation right after it).
+_SENTENCE_END = re.compile(r"[.!?][\"'”’)\]]*(?:\s*\[[^\]]*\])*(?=\s|$)")
+
+
+def note_label(segment) -> str:
+    """How a note names where it came from: its segment, and its pages when the text has pages."""
+    pages = segment.pages
+    where = f"segment {segment.index + 1}"
+    if pages:
+        where += f", page {pages[0]}" if pages[0] == pages[1] else f", pages {pages[0]}-{pages[1]}"
+    return where
+
+
+def cited(text: str, segments: int) -> list[int]:
+    """The segment indexes (0-based, in order of first citation) that `text` cites, among `segments`."""
+    found: list[int] = []
+    for match in CITATION.finditer(text):
+        for a, b in re.findall(r"(\d+)\s*(?:[-–]\s*(\d+))?", match.group(1)):
+            lo, hi = int(a), int(b or a)
+            for n in range(lo, min(hi, lo + 50) + 1):
+                if 1 <= n <= segments and n - 1 not in found:
+                    found.append(n - 1)
+    return found
+
+
+def without_citations(text: str) -> str:
+    """The answer's words with its citations taken out (what a score compares)."""
+    words = re.sub(r"[ \t]{2,}", " ", CITATION.sub("", text))
+    return re.sub(r"\s+([.,;:!?])", r"\1", words).strip()
+
+
+def says_not_stated(text: str) -> bool:
+    return bool(NOT_STATED.search(text))
+
+
+def complete_sentences(text: str, ending: str) -> str:
+    """An answer cut at its token cap or at a repetition ends at its last complete sentence (a short answer with
+    no sentence end, say a single name, stays as it is)."""
+    text = text.strip()
+    if ending not in ("limit", "repeat"):
+        return text
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+    return text[:ends[-1]].strip() if ends else text
+
+
+@dataclass
+class AnswerWindow:
+    """What the cache held for the last answer: the token ids fed after the prefix, and which segments' passages
+    they re-read (empty inside one window, where the document itself is in the cache)."""
+    passages: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+
+class Answering:
+    """The answers of one reading, from its cache."""
+
+    def __init__(self, reading: "Reading"):
+        self.reading = reading
+        self.window = AnswerWindow()
+
+    def answer(self, query: str, margins: list[int] | dict[int, str] | None = None,
+               stop: threading.Event | None = None, plain: bool = False, template: str | None = None,
+               style: str | None = None) -> Iterator[Event]:
+        """See Reading.answer. `template`: the answer prompt's text (default engine/prompts/answer.txt);
+        `style`: past the window, `lookup` or `notes` (default Settings.answer_style)."""
+        r = self.reading
+        if not r.read_segments:
+            raise RuntimeError("Nothing has been read yet: call read() first.")
+        if plain and r.multiwindow:
+            raise RuntimeError("A multi-window reading holds only its last window: plain reading answers from "
+                               "its own read.")
+        query = query.strip()
+        r.meter = r.runner.meter = Meter()
+        notes = self._chosen(margins)
+        wim = r.settings.mode == "wim" and not plain
+        lookup = wim and r.multiwindow and (style or r.settings.answer_style) == "lookup" and bool(notes)
+        try:
+            if lookup:
+                yield from self._lookup_window(query, notes, template, stop)
+            else:
+                yield from r.last_window_in_cache(stop)
+                r.cache.truncate(r.doc_end)
+                self.window = AnswerWindow()
+        except Stopped:
+            r.cache_window = None  # half built: the next answer builds it again
+            yield r._stats("answer", stopped=True)
+            return
+        if wim:
+            ids, used, dropped = (self._fit(query, notes, template, r.limit - r.cache.length,
+                                            set(self.window.passages)) if lookup
+                                  else self.notes_prompt(query, notes, template))
+            if dropped:
+                yield Notice(f"{len(dropped)} margin(s) did not fit in the context window and were left out "
+                             f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
+        else:
+            ids, used = r.layout.suffix("answer_plain", query=query), []
+        end = r.cache.length
+        result = DecodeResult()
+        try:
+            with r.engine.lock:
+                logits = r.runner.prefill(ids, r.cache, stop)
+                room = r.limit - r.cache.length
+                for _, piece in r.runner.decode(r.cache, logits, min(r.settings.answer_tokens, room), stop,
+                                                r.settings.temperature, r.generator, result=result, paragraph=True):
+                    if piece:
+                        yield AnswerToken(piece)
+        except Stopped:
+            yield r._stats("answer", stopped=True)
+            return
+        finally:
+            r.cache.truncate(end)  # ready for a follow-up question: the document's end (or the look-up's)
+        self.window.ids = self.window.ids + list(ids)
+        yield from r.runner.drain()
+        text = complete_sentences(result.text, result.reason)
+        yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
+                     list(self.window.passages))
+        yield r._stats("answer")
+
+    def _chosen(self, margins) -> dict[int, str]:
+        r = self.reading
+        if isinstance(margins, dict):
+            return {i: t for i, t in sorted(margins.items()) if t}
+        selection = r.default_selection() if margins is None else sorted(margins)
+        return {i: r.margins[i].text for i in selection if i in r.margins and r.margins[i].text}
+
+    def notes_prompt(self, query: str, notes: dict[int, str], template: str | None = None):
+        """(ids, used, dropped): the answer prompt after the text of the last window (inside one window, the
+        document) with as many of `notes` as fit; the notes on segments in that window give way first."""
+        r = self.reading
+        return self._fit(query, notes, template, r.limit - r.doc_end,
+                         set(r.windows[-1].segments) if r.windows else set())
+
+    def _prompt(self, query: str, lines: str, template: str | None) -> list[int]:
+        r = self.reading
+        text = prompt("answer") if template is None else template
+        return r.layout.encode(r.layout.closing + text.format(query=query, margins=lines or "(none)")
+                               + r.layout.turn_end)
+
+    def _fit(self, query: str, notes: dict[int, str], template: str | None, room: int, in_cache: set[int]):
+        """The answer prompt with as many of the chosen notes as fit in `room` less the answer's own tokens."""
+        r = self.reading
+        return fit_notes(notes, r._note_scores(), lambda lines: self._prompt(query, lines, template),
+                         room - r.settings.answer_tokens, in_cache=in_cache,
+                         label=lambda i: note_label(r.segments[i]))
+
+    def _lookup_window(self, query: str, notes: dict[int, str], template: str | None, stop) -> Iterator[Event]:
+        """Fill the cache with the prefix and the passages of the chosen notes, in document order, as many as fit
+        beside all the notes and the question (the highest-scored notes' passages first when not all fit)."""
+        r = self.reading
+        last = r.windows[-1]
+        if r.cache_window is last and not last.kept:
+            notice = r._keep_window(last)  # remargin, saving and plain follow-ups need it back afterwards
+            if notice:
+                yield notice
+        full, _, _ = self._fit(query, notes, template, 10**9, set())
+        room = r.limit - len(r.layout.prefix) - len(full) - r.settings.answer_tokens
+        scores = r._note_scores()
+        chosen, used = [], 0
+        for i in sorted(notes, key=lambda i: (-scores.get(i, 1.0), i)):
+            if used + r.segments[i].tokens <= room:
+                chosen.append(i)
+                used += r.segments[i].tokens
+        chosen.sort()
+        r.cache.truncate(0)
+        r.cache_window = None  # the cache holds no reading window now
+        ids: list[int] = []
+        with r.engine.lock:
+            r.runner.prefill(r.layout.prefix, r.cache, stop)
+            for i in chosen:
+                piece = r.doc.segment_ids(r.segments[i])
+                r.runner.prefill(piece, r.cache, stop)
+                ids += piece
+        self.window = AnswerWindow(chosen, ids)
+        if len(chosen) < len(notes):
+            yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
+                         "(as many as fit in the window) beside all the notes.")

@@ -1,0 +1,69 @@
+"""Saves a reading (every window's cache and what follow-up questions need) to a folder, and takes it up again
+in this or another process: a finished reading's cache is what spares a follow-up a full re-read."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .generate import Meter
+from .margin_writing import MarginNote
+
+if TYPE_CHECKING:
+    from .wim import Reading
+
+SAVED = "reading.json"
+
+
+def fingerprint(reading: "Reading") -> str:
+    """What a saved cache depends on: the model, the document's tokens and the settings."""
+    lm = reading.engine.lm
+    blob = json.dumps([lm.name, str(lm.dtype), reading.settings.to_dict(),
+                       hashlib.sha256(str(reading.doc.token_ids).encode()).hexdigest()], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = None) -> None:
+    """Write every window's cache (safetensors) and what follow-up questions need (reading.json) to `folder`,
+    replacing what was there; written aside first, so a half-written folder is never loaded. `max_bytes` caps
+    the cache files: the last window is always saved (answers need it), earlier windows newest first while the
+    cap allows; a follow-up re-reads the windows left out."""
+    if not hasattr(reading.cache, "save"):
+        raise RuntimeError(f"a {reading.cache.kind} cache cannot be saved")
+    for _ in reading.last_window_in_cache():  # an answer's look-up may hold the cache; its notices say nothing new
+        pass
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    windows = reading.window_store.save(partial, reading.cache, max_bytes)
+    meta = {"fingerprint": fingerprint(reading), "query": reading.query, "window": reading.window,
+            "read_segments": reading.read_segments, "windows": windows,
+            "margins": [asdict(m) for m in reading.margins.values()]}
+    (partial / SAVED).write_text(json.dumps(meta), encoding="utf-8")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
+def restore(reading: "Reading", folder: str | os.PathLike) -> bool:
+    """Take up a reading saved by save() (in this or another process): the last window goes into the cache, the
+    others stay on disk until remargin() needs them. False if it was saved for another model, text or
+    settings, or is missing."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / SAVED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if meta.get("fingerprint") != fingerprint(reading):
+        return False
+    reading._reset(Meter())
+    reading.window_store.restore(meta["windows"], folder)
+    reading._load_window(reading.windows[-1])
+    reading.window, reading.query = meta["window"], meta["query"]
+    reading.read_segments[:] = meta["read_segments"]
+    reading.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
+    return True
