@@ -11,6 +11,8 @@ import html
 import math
 from dataclasses import dataclass, field
 
+from engine.answering import CITATION, cited
+
 # Segment numbers on screen are 1-based (the engine's indexes are 0-based).
 
 
@@ -320,6 +322,26 @@ class AnswerView:
     seconds: float | None = None
 
 
+def with_citation_chips(text: str, used: list[int], pages: dict) -> str:
+    """The answer's text, escaped, with each inline citation ("[segment 12]") as a chip that opens that passage.
+    A cited segment whose note the answer did not use (not kept, or not written) is still a chip, marked."""
+    out, at = [], 0
+    for match in CITATION.finditer(text):
+        out.append(esc(text[at:match.start()]))
+        chips = []
+        for i in cited(match.group(0), 10**6):
+            kept = i in used
+            label = f"segment {i + 1}" + (f" · {pages_label(pages[i])}" if pages.get(i) else "")
+            title = "Open this passage" if kept else "Open this passage (its note was not kept for the answer)"
+            chips.append(f'<span class="mg-cite{"" if kept else " mg-cite-unkept"}" data-index="{i}" '
+                         f'data-kept="{int(kept)}" title="{esc(title)}">{esc(label)}'
+                         f'{"" if kept else " (note not kept)"}</span>')
+        out.append("".join(chips) if chips else esc(match.group(0)))
+        at = match.end()
+    out.append(esc(text[at:]))
+    return "".join(out)
+
+
 def answers_html(answers: list[AnswerView]) -> str:
     """Newest first."""
     if not answers:
@@ -341,7 +363,8 @@ def answers_html(answers: list[AnswerView]) -> str:
         else:
             used = ""
         note = f'<div class="mg-answer-note">{esc(a.note)}</div>' if a.note else ""
-        body = esc(a.text) if a.text else ('<span class="mg-empty">(no answer)</span>' if a.done else "")
+        body = (with_citation_chips(a.text, a.used, a.pages) if a.done else esc(a.text)) if a.text else \
+            ('<span class="mg-empty">(no answer)</span>' if a.done else "")
         took = f' <span class="mg-took">{esc(duration(a.seconds))}</span>' if a.done and a.seconds else ""
         out.append(
             f'<section class="mg-answer" data-state="{state}"><div class="mg-q"><span class="mg-q-label">Q</span>'

@@ -113,6 +113,33 @@ def test_card_chip_and_keys_open_passages(page, server, alice):
     assert card.get_attribute("data-mark") == "1"
 
 
+def test_an_answers_inline_citation_opens_its_passage(page, server):
+    """An answer citing "[segment 2]" shows the citation in its text as a chip that opens that passage; a cited
+    segment whose note the answer did not use is still a chip, marked as such, and opens its passage too. (The
+    answer is stored in the real database: whether the model cites is what bench.eval measures.)"""
+    from datetime import datetime, timezone
+    session = panel(page)["session"]
+    text = "Alice follows the White Rabbit out of curiosity [segment 2], down the hole [segments 3]."
+    with db(server) as conn:
+        conn.execute("INSERT INTO answers (session_id, question, text, margins_used, seconds, created) "
+                     "VALUES (?, ?, ?, ?, ?, ?)", [session, "Why does Alice follow it?", text, json.dumps([1]), 1.0,
+                                                   datetime.now(timezone.utc).isoformat()])
+        conn.commit()
+    page.reload()
+    wait_ready(page)
+    page.wait_for_selector('#answers .mg-answer .mg-cite[data-index="1"]', timeout=60_000)
+    answer = page.locator("#answers .mg-answer").first
+    assert answer.locator(".mg-a").inner_text().startswith("Alice follows the White Rabbit out of curiosity")
+    assert "[segment" not in answer.locator(".mg-a").inner_text()  # shown as chips, not as brackets
+    kept, unkept = answer.locator('.mg-cite[data-index="1"]'), answer.locator('.mg-cite[data-index="2"]')
+    assert kept.get_attribute("data-kept") == "1" and "not kept" not in kept.inner_text()
+    assert unkept.get_attribute("data-kept") == "0" and "note not kept" in unkept.inner_text()
+    unkept.click()
+    shown_passage(page, server, 2)
+    kept.click()
+    shown_passage(page, server, 1)  # the passage last looked at stays segment 2's, as the library test expects
+
+
 def page_image_of(page) -> "Image.Image":
     from PIL import Image
     src = page.get_attribute("#passage-page img.mg-page-img", "src")
