@@ -293,7 +293,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
         elif settings.classifier != "llm" and notes[seg.index]:
             kept.append(seg.index)  # margin relevance: a note the model chose to write is kept (as the engine)
     reading.doc_end = doc.get_seq_length()  # the engine's reading never read: give it this cache's length
-    ids, used, _ = reading._answer_prompt(query, {i: notes[i] for i in kept})
+    ids, used, _ = reading.answering.notes_prompt(query, {i: notes[i] for i in kept})
     logits = ref.prefill(ids, doc)
     room = reading.limit - doc.get_seq_length()
     run.answer = ref.decode(doc, logits, min(settings.answer_tokens, room))
@@ -312,7 +312,7 @@ MARGINS_ONLY_PROMPT = ("While reading a document, these notes were written in th
 def margins_only(engine, query: str, notes: dict[int, str], answer_tokens: int) -> str:
     """Answer from the margins alone: a short conversation (system, notes + question) on a fresh cache."""
     lm = engine.lm
-    lines = "\n".join(f"- (part {i + 1}) {text}" for i, text in sorted(notes.items()) if text) or "(none)"
+    lines = "\n".join(f"- [segment {i + 1}] {text}" for i, text in sorted(notes.items()) if text) or "(none)"
     messages = [{"role": "system", "content": prompt("system")},
                 {"role": "user", "content": MARGINS_ONLY_PROMPT.format(margins=lines, query=query)}]
     ids = engine.layout.encode(lm.tokenizer.apply_chat_template(messages, tokenize=False,

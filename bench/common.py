@@ -142,6 +142,16 @@ def write_results(out: Path, name: str, data: dict, markdown: str) -> tuple[Path
     return paths
 
 
+def cpu_name() -> str:
+    """The CPU's model name (seconds are comparable only on one CPU), and whether it has AMX."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        return f"{name} ({'AMX' if 'amx_bf16' in info else 'no AMX'})"
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

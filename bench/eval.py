@@ -31,12 +31,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from engine.answering import says_not_stated, without_citations
 from engine.classify import says_nothing
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
-WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none")
+# wim-<classifier>: the margins that classifier keeps; wim-reader: the margins a careful reader would keep (those
+# on the case's gold segments: the human-in-the-loop upper bound); wim-notes: the default classifier's margins,
+# answered past the window from the notes alone (no look-up of their passages).
+WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none", "wim-reader", "wim-notes")
 MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
 ALIASES = {"wim": WIM_MODES}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
@@ -82,7 +86,13 @@ def list_score(prediction: str, gold: list[str]) -> dict:
 
 
 def score(case: Case, prediction: str) -> dict:
-    return list_score(prediction, case.answers) if case.kind == "list" else short_score(prediction, case.answers)
+    """The answer's words scored (its citations, "[segment 3]", are not part of them); an unanswerable case is
+    right when the answer says the document does not say."""
+    words = without_citations(prediction)
+    if case.kind == "unanswerable":
+        right = says_not_stated(words)
+        return {"exact": right, "contained": right, "score": float(right)}
+    return list_score(words, case.answers) if case.kind == "list" else short_score(words, case.answers)
 
 
 def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -151,6 +161,8 @@ class Evaluator:
             verdicts["margin"] = {i: bool(text) and not says_nothing(text) for i, text in margins.items()}
             notes = {e.index: e for e in events if e.kind == "margin"}
             gold = gold_segments(case, reading)
+            verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
+            verdicts["notes"] = verdicts["margin"]
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
                     "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
                     "gold_segments": gold,
@@ -163,15 +175,18 @@ class Evaluator:
                 if mode.split("-", 1)[1] not in verdicts:
                     continue
                 chosen = [i for i, keep in verdicts[mode.split("-", 1)[1]].items() if keep]
-                if tuple(chosen) in answered:
-                    same = answered[tuple(chosen)]
+                style = "notes" if mode == "wim-notes" else None
+                key = (tuple(chosen), style if reading.multiwindow else None)  # one window: no look-up either way
+                if key in answered:
+                    same = answered[key]
                     out[mode] = same | {"mode": mode, "same_selection_as": same["mode"]}
                     continue
                 t = time.perf_counter()
-                answer = [e for e in reading.answer(case.query, margins=chosen) if isinstance(e, Answer)][0]
+                answer = [e for e in reading.answer(case.query, margins=chosen, style=style)
+                          if isinstance(e, Answer)][0]
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
-                                         ending=answer.ending)
-                answered[tuple(chosen)] = out[mode]
+                                         ending=answer.ending, citations=answer.citations, passages=answer.passages)
+                answered[key] = out[mode]
             if plain_needed and not reading.multiwindow:
                 t = time.perf_counter()
                 answer = [e for e in reading.answer(case.query, plain=True) if isinstance(e, Answer)][0]
@@ -204,7 +219,8 @@ class Evaluator:
 
     @staticmethod
     def _record(case: Case, mode: str, prediction: str, seconds: float, **extra) -> dict:
-        return {"mode": mode, "prediction": prediction, "seconds": seconds, **score(case, prediction), **extra}
+        return {"mode": mode, "prediction": prediction, "seconds": seconds, "not_stated": says_not_stated(prediction),
+                **score(case, prediction), **extra}
 
 
 def gold_segments(case: Case, reading) -> list[int]:
@@ -260,10 +276,33 @@ def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
             mean = sum(scores) / n if n else None
             lo, hi = (bootstrap(scores) if kind == "list" else wilson(sum(scores), n)) if n else (None, None)
             rows.append({"task": task, "length": length or "sample", "mode": mode, "n": n, "score": mean,
-                         "lo": lo, "hi": hi, "metric": "set F1 (bootstrap 95%)" if kind == "list"
-                         else "contained match (Wilson 95%)",
+                         "lo": lo, "hi": hi, "metric": {"list": "set F1 (bootstrap 95%)",
+                                                         "unanswerable": "answered not stated (Wilson 95%)"}.get(
+                             kind, "contained match (Wilson 95%)"),
                          "exact": (sum(r.get("exact", False) for r in got) / n) if n and kind != "list" else None,
                          "seconds": sum(r["seconds"] for r in got) / n if n else None})
+    return rows
+
+
+def answer_form(cases: list[Case], records, modes: list[str]) -> list[list]:
+    """Per mode: answers ended by the token cap or a repetition (then trimmed to their last sentence), answers
+    that cite a note where a note was given (wim modes, records that have citations), and "not stated" answers
+    on answerable and on unanswerable cases."""
+    kinds = {c.key: c.kind for c in cases}
+    rows = []
+    for mode in modes:
+        got = [(kinds[k], m[mode]) for k, m in records.items() if k in kinds and mode in m]
+        if not got:
+            continue
+        cut = sum(r.get("ending") in ("limit", "repeat") for _, r in got)
+        with_notes = [r for _, r in got if r.get("margins_used") and "citations" in r]
+        answerable = [r for kind, r in got if kind != "unanswerable"]
+        unanswerable = [r for kind, r in got if kind == "unanswerable"]
+        rows.append([mode, len(got), f"{cut}/{len(got)}",
+                     f"{sum(bool(r['citations']) for r in with_notes)}/{len(with_notes)}" if with_notes else "-",
+                     f"{sum(bool(r.get('not_stated')) for r in answerable)}/{len(answerable)}",
+                     f"{sum(bool(r.get('not_stated')) for r in unanswerable)}/{len(unanswerable)}"
+                     if unanswerable else "-"])
     return rows
 
 
@@ -310,6 +349,10 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
                                        if meta.get("wim_read_seconds") else [])), "",
+        *(["How the answers end and what they cite:\n",
+           md_table(["mode", "answers", "ended by the token cap or a repetition", "cite a note (where notes were "
+                     "given)", "\"not stated\" (answerable)", "\"not stated\" (unanswerable)"], meta["form"]), ""]
+          if meta.get("form") else []),
         *([f"Plain reading answered from the wim read against its own read (`llm` against `llm-read`), "
            f"{a['n']} cases: the same answer on {a['same_text']}, the same score on {a['same_score']}.\n"]
           if (a := meta.get("agreement")) else [])])
@@ -425,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["wim_read_seconds"] = sum(reads) / len(reads) if reads else None
         meta["wall_seconds"] = time.perf_counter() - started
         meta["agreement"] = agreement(records)
+        meta["form"] = answer_form(cases, records, modes)
         data = {"meta": meta, "results": rows,
                 "cases": [{"case": c.key, "task": c.task, "length": c.length, "query": c.query, "answers": c.answers,
                            "info": c.info, "records": records.get(c.key, {})} for c in cases]}

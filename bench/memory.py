@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, SHARED, md_table, write_results
+from bench.common import RESULTS, ROOT, SHARED, cpu_name, md_table, write_results
 
 SIDES = {"cast while loading": "off", "converted in the engine's dtype": "on"}
 
@@ -72,12 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{label}: peak {row['peak_rss_mib']:,.0f} MiB, {row['ratio']:.2f}x of weights + packs + KV "
               f"({row['needed_mib']:,.0f} MiB)", flush=True)
-    meta = {"cpu": platform.processor() or platform.machine(), "file": Path(args.file).name, "model": rows[0]["model"],
-            "dtype": rows[0]["dtype"]}
-    try:
-        meta["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    meta = {"cpu": cpu_name(), "file": Path(args.file).name, "model": rows[0]["model"], "dtype": rows[0]["dtype"]}
     table = [[r["side"], f"{r['weights_mib']:,.0f}", f"{r['packs_mib']:,.0f}", f"{r['kv_mib']:,.0f}",
               f"{r['peak_rss_mib']:,.0f}", f"{r['ratio']:.2f}x"] for r in rows]
     md = "\n".join(["# Peak memory of a reading\n",

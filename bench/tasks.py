@@ -11,6 +11,8 @@ inserted at random depths, padded RULER-style to the target length in the model'
                Scored by set F1.
 - hotpotqa:    a HotpotQA question (distractor setting: 2 gold + 8 distractor paragraphs) in prose.
 - squad:       a SQuAD 2.0 answerable question: its paragraph and 3 others of the same article, in prose.
+- unanswerable: a SQuAD 2.0 unanswerable question: the paragraph it was written against (which holds a plausible
+               but wrong answer) and 3 others, in prose; the right answer says the document does not say.
 - babilong-sample: the two shared BABILong samples (fixed documents, about 8k and 16k GPT-4 tokens).
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from functools import lru_cache
 
 from .common import BOOKS, SHARED, n_tokens
 
-TASKS = ("babilong", "multihop", "aggregation", "hotpotqa", "squad")
+TASKS = ("babilong", "multihop", "aggregation", "hotpotqa", "squad", "unanswerable")
 FIXED_TASKS = ("babilong-sample",)
 PROSE_BOOKS = ("pg1342.txt", "pg1661.txt", "pg84.txt", "pg11.txt")
 
@@ -38,7 +40,7 @@ class Case:
     text: str
     query: str
     answers: list[str]           # any of these counts (short answers); the gold set (lists)
-    kind: str = "short"          # short | list
+    kind: str = "short"          # short | list | unanswerable (right when the answer says it is not stated)
     answer_tokens: int = 32
     info: dict = field(default_factory=dict)
 
@@ -229,15 +231,17 @@ def _hotpot() -> list[dict]:
 
 
 @lru_cache(maxsize=None)
-def _squad() -> list[tuple[str, list[str], str, list[str]]]:
-    """(question, answers, its paragraph, other paragraphs of the article) for every answerable question."""
+def _squad(impossible: bool = False) -> list[tuple[str, list[str], str, list[str]]]:
+    """(question, answers, its paragraph, other paragraphs of the article) for every answerable question (or,
+    `impossible`, every unanswerable one, with the plausible answers SQuAD lists for it)."""
     out = []
     for article in json.loads((SHARED / "squad" / "squad2_dev_half_cs224n.json").read_text())["data"]:
         paragraphs = [p["context"] for p in article["paragraphs"]]
         for p in article["paragraphs"]:
             for qa in p["qas"]:
-                if not qa["is_impossible"]:
-                    answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))
+                if qa["is_impossible"] == impossible:
+                    given = qa["plausible_answers"] if impossible else qa["answers"]
+                    answers = list(dict.fromkeys(a["text"] for a in given))
                     out.append((qa["question"], answers, p["context"], [c for c in paragraphs if c != p["context"]]))
     return out
 
@@ -284,6 +288,16 @@ def squad(rng, tokenizer, length, index, seed):
     return dict(text=text, query=question, answers=answers, info={"gold_depth": depth[0], "gold": [paragraph]})
 
 
+def unanswerable(rng, tokenizer, length, index, seed):
+    data = _squad(impossible=True)
+    question, plausible, paragraph, others = data[_pick(rng, index, len(data), f"{seed}:unanswerable")]
+    extra = rng.sample(others, min(3, len(others)))
+    text, depth = haystack(rng, tokenizer, length, _fitting(tokenizer, length, [paragraph], extra), ordered=False,
+                           by="paragraph")
+    return dict(text=text, query=question, answers=["The document does not say."], kind="unanswerable",
+                info={"gold_depth": depth[0], "gold": [paragraph], "plausible": plausible})
+
+
 # ---- the shared BABILong samples -------------------------------------------------------------------------------
 def babilong_samples(tokenizer) -> list[Case]:
     cases = []
@@ -295,11 +309,11 @@ def babilong_samples(tokenizer) -> list[Case]:
 
 
 GENERATORS = {"babilong": babilong, "multihop": multihop, "aggregation": aggregation, "hotpotqa": hotpotqa,
-              "squad": squad}
+              "squad": squad, "unanswerable": unanswerable}
 
 
 def make_case(task: str, length: int, index: int, tokenizer, seed: int = 0) -> Case:
     rng = random.Random(f"{seed}:{task}:{length}:{index}")
     gen = GENERATORS[task]
-    made = gen(rng, tokenizer, length, index, seed) if task in ("hotpotqa", "squad") else gen(rng, tokenizer, length)
+    made = gen(rng, tokenizer, length, index, seed) if task in ("hotpotqa", "squad", "unanswerable") else gen(rng, tokenizer, length)
     return Case(task, length, index, **made)

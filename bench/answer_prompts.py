@@ -1,0 +1,135 @@
+"""`python -m bench.answer_prompts`: the answer prompt's framing chosen by measurement. Each case is read once
+(WiM, default settings); every candidate prompt then answers from the same cache (an answer never changes the
+document's cache), and plain reading's answer too. Tune on a seed other than the reported one (default 1).
+
+Candidates (their texts below; the engine's answer prompt, engine/prompts/answer.txt, is the one chosen). The notes are given in
+reading order, each tagged with its segment and page ("- [segment 3, page 2] ..."), in every candidate:
+- list:        the notes as a list after the document, "answer in a few words";
+- margins:     the paper's framing (notes written in the margin while reading part by part), cite the notes
+               used, say when the document does not say;
+- list-cite:   the list, and cite the notes after the answer;
+- list-unsure: the list, and say so when neither the document nor the notes answer.
+
+Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
+answerable and on unanswerable cases, and answers cut at their token limit. Records in --out, one line per
+(case, candidate), so a rerun skips what is done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from engine.answering import says_not_stated
+from engine.prompts import prompt
+
+from .common import RESULTS, cpu_name, load_engine, md_table, write_results
+from .eval import Evaluator, fingerprint, generate_cases, score
+
+_LIST = ("\n\nWhile reading, these notes were written in the margins:\n{margins}\n\n"
+         "Using the document and the notes, answer the question: {query}\n")
+CANDIDATES = {
+    "list": _LIST + "Answer in a few words.",
+    "margins": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading order, "
+               "each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, answer the "
+               "question: {query}\nAnswer in a few words, and cite the notes you used, like [segment 3]. If the "
+               "document does not say, answer \"The document does not say.\"",
+    "list-cite": _LIST + "Answer in a few words. After the answer, cite the notes it comes from, like [segment 3].",
+    # (list-cite is the engine's default, engine/prompts/answer.txt: the best score here, with citations)
+    "list-unsure": _LIST + "Answer in a few words. If neither the document nor the notes answer the question, say "
+                           "\"The document does not say.\"",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.answer_prompts", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-1.5b")
+    parser.add_argument("--task", "--tasks", dest="tasks",
+                        default="babilong,multihop,aggregation,hotpotqa,squad,unanswerable")
+    parser.add_argument("--length", default="4000")
+    parser.add_argument("--n", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--segments", type=int, default=8)
+    parser.add_argument("--margin-tokens", type=int, default=64)
+    parser.add_argument("--max-segment-tokens", type=int, default=1024)
+    parser.add_argument("--margins", default="extractive")
+    parser.add_argument("--context-limit", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
+    args = parser.parse_args(argv)
+    args.quick = False
+    engine = load_engine(None, None, args.model)
+    tok = engine.lm.tokenizer
+    cases = generate_cases(tok, args.tasks.split(","), [int(x) for x in args.length.split(",")], args)
+    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
+                          args.context_limit)
+    fp = fingerprint(engine, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "records.jsonl"
+    done = defaultdict(dict)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["fingerprint"] == fp:
+                done[r["case"]][r["candidate"]] = r
+    from engine import Answer
+    names = [*CANDIDATES, "plain"]
+    for k, case in enumerate(cases):
+        if all(n in done[case.key] for n in names):
+            continue
+        t = time.perf_counter()
+        reading = engine.open(case.text, evaluator.settings(case, "wim"))
+        list(reading.read(case.query))
+        kept = reading.default_selection()
+        with path.open("a", encoding="utf-8") as f:
+            for name in names:
+                if name in done[case.key]:
+                    continue
+                if name == "plain" and reading.multiwindow:
+                    continue  # plain reading past the window reads on its own (bench.eval's llm)
+                events = list(reading.answer(case.query, plain=True) if name == "plain"
+                              else reading.answer(case.query, template=CANDIDATES[name]))
+                answer = next(e for e in events if isinstance(e, Answer))
+                rec = {"case": case.key, "task": case.task, "kind": case.kind, "candidate": name,
+                       "prediction": answer.text, "ending": answer.ending, "citations": answer.citations,
+                       "kept": kept, "not_stated": says_not_stated(answer.text), "fingerprint": fp,
+                       **score(case, answer.text)}
+                done[case.key][name] = rec
+                f.write(json.dumps(rec) + "\n")
+        summary(engine, args, cases, done, names)
+        print(f"{k + 1}/{len(cases)} {case.key} ({time.perf_counter() - t:.0f} s) " +
+              " ".join(f"{n}={done[case.key][n]['score']:.2f}" for n in names if n in done[case.key]), flush=True)
+    summary(engine, args, cases, done, names)
+    return 0
+
+
+def summary(engine, args, cases, done, names) -> None:
+    rows = []
+    for name in names:
+        recs = [done[c.key][name] for c in cases if name in done[c.key]]
+        if not recs:
+            continue
+        answerable = [r for r in recs if r["kind"] != "unanswerable"]
+        unanswerable = [r for r in recs if r["kind"] == "unanswerable"]
+        with_notes = [r for r in recs if r["kept"]]
+        rows.append([name, len(recs), f"{sum(r['score'] for r in recs) / len(recs):.3f}",
+                     f"{sum(r['score'] for r in answerable) / len(answerable):.3f}" if answerable else "-",
+                     f"{sum(bool(r['citations']) for r in with_notes)}/{len(with_notes)}" if name != "plain" else "-",
+                     f"{sum(r['not_stated'] for r in answerable)}/{len(answerable)}",
+                     f"{sum(r['not_stated'] for r in unanswerable)}/{len(unanswerable)}",
+                     f"{sum(r['ending'] in ('limit', 'repeat') for r in recs)}/{len(recs)}"])
+    md = "\n".join(["# The answer prompt, by measurement\n",
+                    f"{engine.lm.name}, {str(engine.lm.dtype).removeprefix('torch.')}; tasks {args.tasks} at "
+                    f"{args.length} tokens, n={args.n} each, seed {args.seed}; one WiM read per case, every prompt "
+                    "answering from its cache; CPU: " + cpu_name() + ".\n",
+                    md_table(["prompt", "cases", "score (all)", "score (answerable)", "cites a note (where one was kept)",
+                              "\"not stated\" on answerable", "\"not stated\" on unanswerable",
+                              "cut at limit or repeat"], rows), "",
+                    "The texts: bench/answer_prompts.py.", ""])
+    write_results(args.out, "answer_prompts", {"rows": rows, "seed": args.seed, "default": prompt("answer")}, md)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
