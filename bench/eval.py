@@ -38,9 +38,9 @@ from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_re
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
 # wim-<classifier>: the margins that classifier keeps; wim-reader: the margins a careful reader would keep (those
-# on the case's gold segments: the human-in-the-loop upper bound); wim-notes: the default classifier's margins,
-# answered past the window from the notes alone (no look-up of their passages).
-WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none", "wim-reader", "wim-notes")
+# on the case's gold segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins,
+# answered past the window with their passages re-read into the answer window (answer_style lookup).
+WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none", "wim-reader", "wim-lookup")
 MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
 ALIASES = {"wim": WIM_MODES}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
@@ -162,7 +162,7 @@ class Evaluator:
             notes = {e.index: e for e in events if e.kind == "margin"}
             gold = gold_segments(case, reading)
             verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
-            verdicts["notes"] = verdicts["margin"]
+            verdicts["lookup"] = verdicts["margin"]
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
                     "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
                     "gold_segments": gold,
@@ -175,7 +175,7 @@ class Evaluator:
                 if mode.split("-", 1)[1] not in verdicts:
                     continue
                 chosen = [i for i, keep in verdicts[mode.split("-", 1)[1]].items() if keep]
-                style = "notes" if mode == "wim-notes" else None
+                style = "lookup" if mode == "wim-lookup" else None
                 key = (tuple(chosen), style if reading.multiwindow else None)  # one window: no look-up either way
                 if key in answered:
                     same = answered[key]

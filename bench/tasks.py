@@ -289,7 +289,8 @@ def squad(rng, tokenizer, length, index, seed):
 
 
 def unanswerable(rng, tokenizer, length, index, seed):
-    data = _squad(impossible=True)
+    # Paragraphs of up to about half the length (some run to thousands of tokens): the rest stays prose.
+    data = [d for d in _squad(impossible=True) if len(d[2]) <= 2 * length]
     question, plausible, paragraph, others = data[_pick(rng, index, len(data), f"{seed}:unanswerable")]
     extra = rng.sample(others, min(3, len(others)))
     text, depth = haystack(rng, tokenizer, length, _fitting(tokenizer, length, [paragraph], extra), ordered=False,

@@ -27,7 +27,7 @@ from .prompts import fit_notes, prompt
 if TYPE_CHECKING:
     from .wim import Reading
 
-ANSWER_STYLES = ("lookup", "notes")  # past the window: the kept notes' passages re-read, or the notes alone
+ANSWER_STYLES = ("notes", "lookup")  # past the window: the notes alone, or the kept notes' passages re-read too
 # "[segment 12]", "[segments 3 and 5]", "[segment 3, page 2]", "[segments 4-6]": one citation each.
 CITATION = re.compile(r"\[\s*(?:segments?|parts?)\s+([0-9][0-9,;\s\-–and]*)(?:,?\s*pages?\s+[0-9\-–]+)?\s*\]",
                       re.IGNORECASE)

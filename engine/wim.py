@@ -66,8 +66,9 @@ class Settings:
     window_cache_budget_bytes: int = 512 * 2**20
     window_cache_disk: bool = True
     keep_windows: bool = True          # keep each window's cache for follow-ups (remargin); off: none kept
-    # Past the window: lookup (the kept notes' passages re-read into the answer window, then the notes) | notes
-    answer_style: str = "lookup"
+    # Past the window: notes (the last window, then the notes) | lookup (the kept notes' passages re-read into the
+    # answer window, then the notes: up to a window's worth of prefill for every answer; not yet measured better)
+    answer_style: str = "notes"
 
     def validate(self) -> "Settings":
         if self.mode not in MODES:

@@ -292,9 +292,9 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
 
 
 def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
-    """A 3-window reading (the look-up answer, the default): the answer window holds the passages of the kept
-    notes, re-read in document order (their token ids), then the notes in reading order and the question. The
-    last window was kept first, so a notes-only answer afterwards finds it as the reading left it."""
+    """A 3-window reading answered with the look-up (answer_style lookup): the answer window holds the passages
+    of the kept notes, re-read in document order (their token ids), then the notes in reading order and the
+    question. The last window was kept first, so a notes-only answer afterwards finds it as the reading left it."""
     text = _alice(3200)
     reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
     list(reading.read(OLD))
