@@ -9,7 +9,8 @@ from typing import Iterator
 
 from engine.events import Answer, AnswerToken, Margin, MarginToken, Notice, SegmentRead, ServerRequest, Stats, \
     WindowStart
-from engine.wim import Reading, Settings
+from engine.saved import SAVED
+from engine.wim import Settings
 
 from . import render, worker
 from .errors import UserError
@@ -264,7 +265,7 @@ class Streams:
                 reuse = {"server_prompt_tokens": sent, "server_cached_tokens": cached} if sent else {}
                 # The worker saved a finished reading's cache before this event: recorded with "read", so a
                 # follow-up finds it whichever process (or restart) runs it.
-                if panel.status == "done" and os.path.exists(os.path.join(job["cache_dir"], Reading.SAVED)):
+                if panel.status == "done" and os.path.exists(os.path.join(job["cache_dir"], SAVED)):
                     reuse["cache_path"] = os.path.relpath(job["cache_dir"], self.data_dir)
                 self.store.update_session(sid, status=status, **reuse)
                 self.jobs.end(sid)  # before the last update, so the sessions list no longer says "reading"

@@ -396,8 +396,6 @@ class Reading:
         self.cache_window = window
 
     # ---- saving a finished reading for another process (engine/saved.py) --------------------------------
-    SAVED = saved.SAVED  # the metadata file of a saved reading's folder
-
     def fingerprint(self) -> str:
         return saved.fingerprint(self)
 
