@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import Answer, Margin, Settings, Stats
-from engine.cache import make_cache
+from engine.cache import cache_keyword, make_cache
 from engine.classify import Classifier, LLMClassifier
 from engine.generate import Meter, Runner, prefill_passes
 from engine.margins import Note, Scratch
@@ -192,6 +192,7 @@ class _ReferenceRunner:
         self.model, self.tokenizer = engine.lm.model, engine.lm.tokenizer
         self.device = engine.lm.device
         self.stop_ids = stop_ids
+        self.cache_keyword = cache_keyword(self.model)
         self.meter = Meter()
         self.peak_kv = 0
         self.caches: list[DynamicCache] = []
@@ -207,8 +208,8 @@ class _ReferenceRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         mask = torch.ones(1, past + len(ids), dtype=torch.long, device=self.device)
         positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_keyword: cache})
         self.peak_kv = max(self.peak_kv, sum(_dynamic_bytes(c) for c in self.caches))
         return out.logits[0, -1].float()
 

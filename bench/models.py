@@ -42,9 +42,10 @@ def _gguf_of(spec: str) -> Path:
 def child(spec: str, source: str, prefill: int, decode: int) -> dict:
     """Load one model one way, then time one prefill of `prefill` tokens and `decode` greedy decode steps."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     from engine import model as models
+    from engine.cache import cache_keyword
 
     base_rss, _ = _rss_mib()
     start = time.perf_counter()
@@ -68,14 +69,15 @@ def child(spec: str, source: str, prefill: int, decode: int) -> dict:
     ids = tokenizer(prose(tokenizer, prefill + 64), add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = ids[:, :prefill]
     with torch.inference_mode():
+        past = {cache_keyword(model): DynamicCache(config=model.config)}  # filled in place by each pass
         t = time.perf_counter()
-        out = model(ids, use_cache=True, logits_to_keep=1)
+        out = model(ids, use_cache=True, logits_to_keep=1, **past)
         prefill_s = time.perf_counter() - t
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        token = out.logits[:, -1:].argmax(-1)
         t = time.perf_counter()
         for _ in range(decode):
-            out = model(token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(token, use_cache=True, **past)
+            token = out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t
     _, peak = _rss_mib()
     return {"model": spec, "source": source, "load_s": load_s, "rss_after_load_mib": loaded_rss - base_rss,

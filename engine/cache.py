@@ -18,6 +18,8 @@ back to transformers' DynamicCache with past recording, whose crop is correct bu
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
@@ -218,6 +220,14 @@ def has_sliding_layers(config) -> bool:
     layer_types = getattr(text, "layer_types", None) or []
     return any(t != "full_attention" for t in layer_types) or bool(
         getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None))
+
+
+def cache_keyword(model) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` from transformers 5.24 on, `past_key_values`
+    before it (5.20.2, the newest transformers for Python 3.10, the Python of a ZeroGPU Space). A forward takes
+    **kwargs too, so the other name is swallowed without an error and the cache stays empty: hence read from the
+    signature, once per model, not guessed from the version."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def make_cache(model, capacity: int) -> PreallocatedCache | RecordingDynamicCache:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from .cache import make_cache
+from .cache import cache_keyword, make_cache
 
 class Stopped(Exception):
     """The caller's stop flag was set; the cache is left at a consistent length."""
@@ -91,6 +91,7 @@ class Runner:
         self.device = device
         self.meter = meter or Meter()
         self.stop_ids = self._stop_ids()
+        self.cache_keyword = cache_keyword(model)  # `cache` or, before transformers 5.24, `past_key_values`
 
     def new_cache(self, capacity: int):
         return make_cache(self.model, capacity)
@@ -136,8 +137,8 @@ class Runner:
             to_keep = torch.tensor(keep, dtype=torch.long, device=self.device)
         else:
             to_keep = 0 if all_logits else 1
-        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                         attention_mask=attention_mask, logits_to_keep=to_keep)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                         attention_mask=attention_mask, logits_to_keep=to_keep, **{self.cache_keyword: cache})
         return out.logits[0] if all_logits or keep is not None else out.logits[0, -1].float()
 
     def prefill(self, ids: list[int], cache, stop: threading.Event | None = None, then: list[int] = ()
