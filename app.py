@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-limit", type=int, default=_env_int("MARGINALIA_CONTEXT_LIMIT", None),
                    help="cap the tokens one reading may hold (default: the model's context window)")
     p.add_argument("--no-warm-up", action="store_true", help="skip the short warm-up reading at start-up")
+    # Tests only (hidden): the Space's login, with USER always the one who logs in (no Hugging Face involved).
+    # A command-line flag, not a variable: a Space runs `python app.py` as it is; refused where SPACE_ID is set.
+    p.add_argument("--test-login", metavar="USER", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.browser = not args.no_browser and not on_space
     return args
@@ -145,7 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         log.info("warmed up in %.1f s: prefill ≈ %.0f tokens/s, writing ≈ %.1f tokens/s",
                  time.perf_counter() - t, rates["prefill"], rates["decode"])
 
-    demo = web.build(service, browser_secret(data_dir))
+    login = web.login_available()
+    if args.test_login:
+        web.fake_login(args.test_login)
+        login = True
+        log.warning("test mode: the login button logs in as %r without Hugging Face", args.test_login)
+    demo = web.build(service, browser_secret(data_dir), login=login)
     demo.queue(default_concurrency_limit=1)
     log.info("data in %s; serving on http://%s:%d", data_dir, args.host, args.port)
     demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,

@@ -1,13 +1,17 @@
-"""The library: this browser's documents and their readings, as HTML (the data comes from Store.library).
+"""The library: this browser's documents and their readings (or, logged in on a Space, the account's), as HTML
+(the data comes from Store.library).
 
 Each reading row carries data-session; its buttons carry data-action (open | continue | delete), which
 static/library.js sends to the server. Documents are grouped in the order of their most recently opened reading.
+The library says whose it is in data-owner: `account` or `browser`.
 """
 from __future__ import annotations
 
 import datetime
 
 from .render import esc
+
+ACCOUNT = "hf:"  # the owner of a logged-in account's sessions: ACCOUNT + its Hugging Face username
 
 
 def _when(iso: str | None) -> str:
@@ -33,12 +37,17 @@ def _status(row: dict, running: set[str]) -> str:
     return "stopped" if row["segments_read"] else "not started"
 
 
-def library_html(rows: list[dict], running: set[str] = frozenset(), current: str | None = None) -> str:
+def library_html(rows: list[dict], running: set[str] = frozenset(), current: str | None = None,
+                 owner: str | None = None) -> str:
     """`rows`: Store.library(owner), last opened first. `running`: sessions with an engine job now.
-    `current`: the session on screen (marked as such)."""
+    `current`: the session on screen (marked as such). `owner`: whose library it is (None: not known yet)."""
+    account = owner[len(ACCOUNT):] if owner and owner.startswith(ACCOUNT) else None
+    whose = "" if owner is None else f' data-owner="{"account" if account else "browser"}"'
+    head = (f'<div class="mg-library-account">Signed in as {esc(account)}: these readings follow your account to '
+            'any browser where you sign in.</div>' if account else "")
     if not rows:
-        return ('<div class="mg-library mg-library-empty">Your library is empty: the documents you read here '
-                'are listed with their progress, to open or continue later.</div>')
+        return (f'<div class="mg-library mg-library-empty"{whose}>{head}Your library is empty: the documents you '
+                'read here are listed with their progress, to open or continue later.</div>')
     docs: dict[int, list[dict]] = {}
     for row in rows:
         docs.setdefault(row["document_id"], []).append(row)
@@ -75,4 +84,4 @@ def library_html(rows: list[dict], running: set[str] = frozenset(), current: str
             f'<section class="mg-libdoc" data-document="{doc_id}"><header><span class="mg-libdoc-title">'
             f'{esc(title)}</span><span class="mg-libdoc-meta">{esc(first["kind"].upper())} · {esc(_size(first))}'
             f' · {esc(first["document_name"])}</span></header><ul>{"".join(items)}</ul></section>')
-    return f'<div class="mg-library">{"".join(out)}</div>'
+    return f'<div class="mg-library"{whose}>{head}{"".join(out)}</div>'

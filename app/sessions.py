@@ -152,7 +152,7 @@ class Sessions:
 
     def library_html(self, owner: str, current: str | None = None) -> str:
         rows = self.store.library(owner) if owner else []
-        return library_html(rows, self.jobs.sessions(), current)
+        return library_html(rows, self.jobs.sessions(), current, owner or None)
 
     def last_opened(self, owner: str) -> str | None:
         """The session the reader had open last (where the app opens)."""

@@ -12,6 +12,8 @@ forward pass; Gradio's `cancels=` would only act between two yields.
 from __future__ import annotations
 
 import logging
+import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import gradio as gr
 
 from . import render, worker
-from .library import library_html
+from .library import ACCOUNT, library_html
 from .documents import SAMPLE, SAMPLE_QUESTION
 from .passage import empty_passage, page_html
 from .service import Service, UserError
@@ -155,7 +157,7 @@ class DocumentPanel:
             except UserError as e:
                 return None, render.no_document(), render.notice_html(str(e))
 
-        self.upload.upload(on_upload, inputs=[ui.browser, self.upload, *ui.settings.inputs],
+        self.upload.upload(on_upload, inputs=[ui.owner, self.upload, *ui.settings.inputs],
                            outputs=[ui.doc_state, self.info, self.notice], concurrency_limit=4, **PRIVATE)
 
         def on_sample(owner, segment_tokens, margin_tokens, answer_tokens, classifier_name, margins_name,
@@ -176,7 +178,7 @@ class DocumentPanel:
                     gr.update(visible=False))
 
         ui.then_read(self.sample.click(
-            on_sample, inputs=[ui.browser, *ui.settings.inputs],
+            on_sample, inputs=[ui.owner, *ui.settings.inputs],
             outputs=[ui.job_state, ui.session_state, ui.doc_state, self.info, self.question, ui.margins.panel,
                      ui.answer.answers, ui.now_reading, self.notice, ui.controls.resume],
             concurrency_limit=None, **QUIET).success)
@@ -222,10 +224,10 @@ class ReadControls:
                     gr.update(visible=False))
 
         ui.then_read(self.read.click(
-            on_read, inputs=[ui.browser, ui.doc_state, ui.document.question, *ui.settings.inputs],
+            on_read, inputs=[ui.owner, ui.doc_state, ui.document.question, *ui.settings.inputs],
             outputs=[ui.job_state, ui.session_state, margins, ui.answer.answers, ui.now_reading, ui.document.notice,
                      self.resume], concurrency_limit=None, **QUIET).success)
-        ui.then_read(self.resume.click(on_resume, inputs=[ui.browser, ui.session_state],
+        ui.then_read(self.resume.click(on_resume, inputs=[ui.owner, ui.session_state],
                                        outputs=[ui.job_state, margins, ui.document.notice, self.resume],
                                        concurrency_limit=None, **QUIET).success)
 
@@ -237,7 +239,7 @@ class ReadControls:
                 return render.notice_html(str(e))
             return ""
 
-        self.stop.click(on_stop, inputs=[ui.browser, ui.session_state], outputs=[ui.document.notice],
+        self.stop.click(on_stop, inputs=[ui.owner, ui.session_state], outputs=[ui.document.notice],
                         concurrency_limit=None, concurrency_id="stop", **QUIET)
 
 
@@ -307,7 +309,7 @@ class LibraryPanel:
     def wire(self, ui: "Screen") -> None:
         service, viewing = ui.service, ui.viewing
         # A new reading (or another one opened) shows in the library at once; the job's end refreshes it again.
-        ui.session_state.change(ui.refresh_library, inputs=[ui.browser, ui.session_state], outputs=[self.library],
+        ui.session_state.change(ui.refresh_library, inputs=[ui.owner, ui.session_state], outputs=[self.library],
                                 **QUIET)
 
         def on_library(owner, evt: gr.EventData, request: gr.Request):
@@ -342,9 +344,9 @@ class LibraryPanel:
         # always_last: an Open pressed while the previous one is still pending runs once that one is done
         # (Gradio's default for a click, "once", would drop it: the library would say one reading, the panel
         # show another).
-        ui.then_read(self.library.click(on_library, inputs=[ui.browser], outputs=[self.job, *ui.view_outputs],
+        ui.then_read(self.library.click(on_library, inputs=[ui.owner], outputs=[self.job, *ui.view_outputs],
                                         concurrency_limit=None, trigger_mode="always_last", **QUIET
-                                        ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
+                                        ).then(ui.refresh_library, inputs=[ui.owner, ui.session_state],
                                                outputs=[self.library], **QUIET).then, job=self.job)
 
 
@@ -373,7 +375,7 @@ class MarginPanel:
             except UserError as e:
                 gr.Warning(str(e))
 
-        self.panel.click(on_flip, inputs=[ui.browser], outputs=None, concurrency_limit=1, concurrency_id="marks",
+        self.panel.click(on_flip, inputs=[ui.owner], outputs=None, concurrency_limit=1, concurrency_id="marks",
                          trigger_mode="multiple", **QUIET)
 
 
@@ -411,7 +413,7 @@ class PassagePanel:
             return shown["text"], shown["page"], ""
 
         for source in (ui.margins.panel, ui.answer.answers):
-            source.select(on_passage, inputs=[ui.browser, ui.session_state],
+            source.select(on_passage, inputs=[ui.owner, ui.session_state],
                           outputs=[self.text, self.page, ui.document.notice], concurrency_limit=4,
                           trigger_mode="always_last", **QUIET)
 
@@ -457,14 +459,14 @@ class AnswerPanel:
             except UserError as e:
                 yield (gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)))
 
-        self.answer.click(on_answer, inputs=[ui.browser, ui.session_state, ui.document.question],
+        self.answer.click(on_answer, inputs=[ui.owner, ui.session_state, ui.document.question],
                           outputs=[ui.job_state, notice], concurrency_limit=None, **QUIET
-                          ).success(answer_job, inputs=[ui.browser, ui.job_state],
+                          ).success(answer_job, inputs=[ui.owner, ui.job_state],
                                     outputs=[self.answers, ui.margins.panel, ui.library.library, ui.controls.resume,
                                              notice],
                                     concurrency_limit=ui.slots, concurrency_id=ENGINE, show_progress="minimal",
                                     show_progress_on=[self.answers], **PRIVATE
-                                    ).then(ui.refresh_library, inputs=[ui.browser, ui.session_state],
+                                    ).then(ui.refresh_library, inputs=[ui.owner, ui.session_state],
                                            outputs=[ui.library.library], **QUIET)
 
         def on_export(owner, session_id):
@@ -473,7 +475,7 @@ class AnswerPanel:
             except UserError as e:
                 return gr.skip(), render.notice_html(str(e))
 
-        self.export.click(on_export, inputs=[ui.browser, ui.session_state], outputs=[self.downloads, notice],
+        self.export.click(on_export, inputs=[ui.owner, ui.session_state], outputs=[self.downloads, notice],
                           concurrency_limit=None, **QUIET)
 
 
@@ -483,16 +485,22 @@ class Screen:
     """Every panel, the per-browser state, and what several panels' events share: a session's view, a job's
     stream to the tab that started it, the reading job and the library's refresh."""
 
-    def __init__(self, service: Service, secret: str):
+    def __init__(self, service: Service, secret: str, login: bool = False):
         self.service, self.viewing = service, Viewing()
         self.slots = worker.job_slots(service.engine)  # 1 on a local model; several on a model server
         self.browser = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=secret)
+        # Whose library this tab shows, set by the load event: the logged-in account's (`hf:<username>`), else
+        # the browser's id. Kept on the server (a gr.State), so a page cannot claim another owner.
+        self.owner = gr.State(None)
         self.session_state = gr.State(None)   # the open session's id
         self.doc_state = gr.State(None)       # the document a new Read would read
         self.job_state = gr.State(None)       # what the engine step should do: {"kind", "session_id", ...}
         self.header = gr.HTML(render.header_html(service.engine.lm.info), js_on_load=None, elem_id="mg-header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=360):
+                # Only where it logs in for real (a Space with hf_oauth) or in the test mode: Gradio adds its login
+                # routes as soon as a LoginButton exists, and off a Space they would ask the Hub who is logged in.
+                self.login = gr.LoginButton(size="sm", elem_id="login-btn") if login else None
                 self.model = ModelPanel.layout(service)
                 self.document = DocumentPanel.layout()
                 self.controls = ReadControls.layout()
@@ -515,16 +523,19 @@ class Screen:
             panel.wire(self)
         service, viewing = self.service, self.viewing
 
-        def on_load(owner, request: gr.Request):
-            owner = owner or uuid.uuid4().hex
+        def on_load(browser, request: gr.Request, profile: gr.OAuthProfile | None):
+            """The tab's owner (see owner_of) and where its reader left off. Gradio passes the profile of the
+            account logged in with the LoginButton, else None (always None where there is no LoginButton)."""
+            browser = browser or uuid.uuid4().hex
+            owner = owner_of(browser, profile)
             newest = service.last_opened(owner)  # where the reader left off
             viewing.show(request, newest)
             if newest is None:
-                return (owner, *self.blank_view())
-            return (owner, *self.view_values(service.view(owner, newest)))
+                return (browser, owner, *self.blank_view())
+            return (browser, owner, *self.view_values(service.view(owner, newest)))
 
-        demo.load(on_load, inputs=[self.browser], outputs=[self.browser, *self.view_outputs], **QUIET
-                  ).then(self.refresh_library, inputs=[self.browser, self.session_state],
+        demo.load(on_load, inputs=[self.browser], outputs=[self.browser, self.owner, *self.view_outputs], **QUIET
+                  ).then(self.refresh_library, inputs=[self.owner, self.session_state],
                          outputs=[self.library.library], **QUIET)
 
         def on_unload(request: gr.Request):
@@ -614,19 +625,49 @@ class Screen:
     def then_read(self, then, job: gr.State | None = None) -> None:
         """After `then` (an event's .success or .then): the reading job (`job`, else job_state) in the engine
         slot, then the library."""
-        then(self.read_job, inputs=[self.browser, self.job_state if job is None else job],
+        then(self.read_job, inputs=[self.owner, self.job_state if job is None else job],
              outputs=[self.margins.panel, self.now_reading, self.library.library, self.controls.resume,
                       self.document.notice],
              concurrency_limit=self.slots, concurrency_id=ENGINE, show_progress="minimal",
              show_progress_on=[self.margins.panel], **PRIVATE
-             ).then(self.refresh_library, inputs=[self.browser, self.session_state],
+             ).then(self.refresh_library, inputs=[self.owner, self.session_state],
                     outputs=[self.library.library], **QUIET)
 
 
-def build(service: Service, secret: str) -> gr.Blocks:
-    """The screen, panel by panel: each panel lays out its components, then wires its own events."""
+def owner_of(browser: str, profile: "gr.OAuthProfile | None") -> str:
+    """Whose library a tab shows: a logged-in account's (`hf:<username>`: it follows the account from browser to
+    browser), else this browser's (its id, kept in its localStorage), as without a login."""
+    return ACCOUNT + profile.username if profile is not None and profile.username else browser
+
+
+def login_available() -> bool:
+    """A Space with `hf_oauth: true` in its front matter: Gradio's LoginButton logs in with Hugging Face there
+    (the platform sets OAUTH_CLIENT_ID and the rest). Off a Space there is no login."""
+    from gradio.utils import get_space
+    return get_space() is not None and bool(os.environ.get("OAUTH_CLIENT_ID"))
+
+
+def fake_login(username: str) -> None:
+    """The test mode's login (app.py --test-login): Gradio's own login routes off a Space, which put a profile in
+    the session cookie without asking Hugging Face, here `username`'s instead of the machine's Hub account."""
+    import gradio.oauth
+    if os.environ.get("SPACE_ID"):
+        raise RuntimeError("--test-login is refused on a Space: there the login is Hugging Face's")
+
+    def info() -> dict:
+        return {"access_token": "test-login", "token_type": "bearer", "scope": "openid profile",
+                "expires_at": int(time.time()) + 8 * 3600,
+                "userinfo": {"name": username.title(), "preferred_username": username,
+                             "profile": f"https://huggingface.co/{username}", "picture": ""}}
+
+    gradio.oauth._get_mocked_oauth_info = info
+
+
+def build(service: Service, secret: str, login: bool = False) -> gr.Blocks:
+    """The screen, panel by panel: each panel lays out its components, then wires its own events. `login`: show
+    Hugging Face's login (login_available(), or the test mode), which makes the library follow the account."""
     with gr.Blocks(title="Marginalia") as demo:
-        screen = Screen(service, secret)
+        screen = Screen(service, secret, login)
         screen.wire(demo)
         add_api(service)  # the API (gradio_client)
     return demo
@@ -666,8 +707,8 @@ def add_api(service: Service) -> None:
     def api_read(path, question, segment_tokens, margin_tokens, answer_tokens, classifier, owner):
         """Read a document with a question: writes a margin note per segment. Streams progress; the last
         result has every margin. Returns {session_id, owner, status, margins: [...]}."""
-        owner = (owner or "").strip() or f"api-{uuid.uuid4().hex}"
         try:
+            owner = api_owner(owner) or f"api-{uuid.uuid4().hex}"
             doc_id, _ = service.add_upload(path)
             settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier)
             session_id = service.start_read(owner, doc_id, question, settings)
@@ -685,6 +726,7 @@ def add_api(service: Service) -> None:
         """Answer a question about a session read before, from the margins kept (the reader's marks, else the
         classifier's verdicts). Returns {session_id, question, answer, margins_used (segment indexes, from 0)}."""
         try:
+            owner = api_owner(owner)
             job = service.start_answer(owner, session_id, question)
             for update in service.answer_stream(owner, session_id, job["question"]):
                 if "notice" in update and update["notice"] and "answers" not in update:
@@ -702,6 +744,15 @@ def add_api(service: Service) -> None:
                  api_name="read", concurrency_limit=slots, concurrency_id=ENGINE)
     a_ask.click(api_answer, inputs=[a_owner, a_session, a_question], outputs=a_out, api_name="answer",
                 concurrency_limit=slots, concurrency_id=ENGINE)
+
+
+def api_owner(owner: str | None) -> str:
+    """An API client's owner string. An account's library (`hf:<username>`) is only for a tab logged in as it:
+    the API has no login, and a username is no secret."""
+    owner = (owner or "").strip()
+    if owner.startswith(ACCOUNT):
+        raise UserError("An account's library is only open to its login in the app, not through the API.")
+    return owner
 
 
 def _plain(html_text: str) -> str:

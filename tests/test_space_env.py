@@ -56,6 +56,8 @@ def test_front_matter_and_requirements_are_what_zerogpu_supports():
     assert meta["python_version"] == ZEROGPU_PYTHON
     reqs = dict(space_requirements(ZEROGPU_PYTHON))
     assert "spaces" not in reqs  # provided by the platform
+    # The login (app/web.py): the platform makes the OAuth app from hf_oauth; Gradio's login needs its [oauth] extra.
+    assert meta["hf_oauth"] == "true" and reqs["gradio"].startswith("[oauth]")
     pin = re.fullmatch(r"==([\d.]+)", reqs["torch"])
     assert pin and pin.group(1) in ZEROGPU_TORCH, reqs["torch"]  # a bare or open torch would install the newest
     # A local Python 3.11 keeps what `make` installs (torch 2.13 first; any >=2.6).
