@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     from app import web, worker
     from engine import documents
     from app.service import Defaults, Service
-    from app.storage import Store
+    from app.storage import Store, database_path
     from engine.wim import Engine
 
     log.info("loading the model %r (once, at start-up)…", args.model)
@@ -137,11 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     log.info("model ready in %.1f s: %s on %s (%s), %s-token window", time.perf_counter() - t, info["name"],
              info["device"], info["dtype"], f"{info['context_length']:,}")
 
-    store = Store(data_dir / "marginalia.db")
+    db_path, moved = database_path(data_dir, DATA)
+    if moved:
+        log.warning("%s", moved)
+        os.makedirs(os.path.dirname(db_path), exist_ok=True)
+    store = Store(db_path)
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
                         args.context_limit, args.margins)
     service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype,
-                                                                   decode_weights=args.decode_weights))
+                                                                   decode_weights=args.decode_weights),
+                      data_dir=data_dir)
     if not args.no_warm_up and not worker.ZERO_GPU:
         t = time.perf_counter()
         rates = service.warm_up()
@@ -155,9 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("test mode: the login button logs in as %r without Hugging Face", args.test_login)
     demo = web.build(service, browser_secret(data_dir), login=login)
     demo.queue(default_concurrency_limit=1)
-    log.info("data in %s; serving on http://%s:%d", data_dir, args.host, args.port)
+    log.info("data in %s (database: %s); serving on http://%s:%d", data_dir, store.path, args.host, args.port)
     demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
-                max_file_size=documents.LIMITS.file_bytes, blocked_paths=[str(data_dir)], show_error=True,
+                max_file_size=documents.LIMITS.file_bytes, show_error=True,
+                blocked_paths=sorted({str(data_dir), os.path.dirname(store.path)}),
                 **web.launch_kwargs())
 
 

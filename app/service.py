@@ -41,7 +41,8 @@ class Service(Models, Documents, Sessions, Streams):
     and the job queue (app/jobs.py); the state they share is made here."""
 
     def __init__(self, engine: Engine, store: Store, defaults: Defaults | None = None,
-                 rates: dict | None = None, load: Callable[[str], Engine] | None = None):
+                 rates: dict | None = None, load: Callable[[str], Engine] | None = None,
+                 data_dir: str | os.PathLike | None = None):
         self.engine, self.store = engine, store
         self.defaults = defaults or Defaults()
         self.model = engine.lm.name
@@ -55,7 +56,8 @@ class Service(Models, Documents, Sessions, Streams):
         # Reopening a session shows it again; segmenting a novel costs seconds (3.2 s for pg1342 here).
         self._layouts: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
-        # Finished readings' KV caches, one folder a session, beside the database (paths stored relative to it).
-        self.data_dir = os.path.dirname(store.path)
+        # Kept PDFs and finished readings' KV caches (paths stored relative to it): beside the database unless
+        # `data_dir` says otherwise (the database kept on local disk, the data on a mount: app.py).
+        self.data_dir = os.fspath(data_dir) if data_dir is not None else os.path.dirname(store.path)
         self.pages = passages.PageImages()  # PDF pages, rendered on demand for the passage view
         worker.set_engine(engine)

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import sqlite3
 import threading
 import uuid
@@ -231,6 +232,65 @@ _WRITE_LOCKS_GUARD = threading.Lock()
 def _write_lock(path: str) -> threading.Lock:
     with _WRITE_LOCKS_GUARD:
         return _WRITE_LOCKS.setdefault(path, threading.Lock())
+
+
+# ---------------------------------------------------------------- where the database may live
+
+DATABASE = "marginalia.db"
+# File systems on which SQLite must not be used: network file systems, whose locks SQLite cannot rely on and on
+# which WAL's shared memory does not work (sqlite.org/howtocorrupt.html 2.1, sqlite.org/wal.html), and FUSE,
+# where a user-space daemon decides what a lock, an fsync or a shared mapping does. A Space's persistent /data
+# is a storage bucket mounted by hf-mount, over NFS or FUSE (huggingface.co/docs/hub/storage-buckets-access).
+NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs"}
+
+
+def _unescape_mount(field: str) -> str:
+    """A path as /proc/self/mounts writes it: space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_of(path: str, mounts: str) -> tuple[str, str] | None:
+    """(mount point, file system type) of the mount that holds `path` (absolute, symlinks resolved), from the
+    text of /proc/self/mounts: the longest mount point above it, the last one listed where two are the same."""
+    best = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = _unescape_mount(fields[1])
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None
+                                                                             or len(point) >= len(best[0])):
+            best = (point, fields[2])
+    return best
+
+
+def unsafe_for_sqlite(fstype: str) -> bool:
+    return fstype in NETWORK_FILESYSTEMS or fstype in ("fuse", "fuseblk") or fstype.startswith("fuse.")
+
+
+def database_path(data_dir: str | os.PathLike, local_dir: str | os.PathLike,
+                  mounts: str | None = None) -> tuple[str, str | None]:
+    """Where the database goes, and why when not in `data_dir`: data_dir/marginalia.db, unless data_dir is on a
+    file system where SQLite is not safe (see unsafe_for_sqlite); then local_dir/marginalia.db, on local disk.
+    `mounts`: the text of /proc/self/mounts (read here when None; where there is none, data_dir is kept)."""
+    here = os.path.join(os.path.abspath(data_dir), DATABASE)
+    if mounts is None:
+        try:
+            with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+                mounts = f.read()
+        except OSError:
+            return here, None
+    found = mount_of(os.path.realpath(data_dir), mounts)
+    if found is None or not unsafe_for_sqlite(found[1]):
+        return here, None
+    point, fstype = found
+    local = os.path.join(os.path.abspath(local_dir), DATABASE)
+    other = mount_of(os.path.realpath(local_dir), mounts)
+    if other is not None and unsafe_for_sqlite(other[1]):
+        return here, (f"{data_dir} is on {fstype} ({point}), where SQLite is not safe, and so is {local_dir}: "
+                      f"the database stays at {here}")
+    return local, (f"{data_dir} is on {fstype} ({point}), where SQLite's locking is not safe: the database is "
+                   f"kept on local disk at {local}; files and caches stay in {data_dir}")
 
 
 # ---------------------------------------------------------------- the store

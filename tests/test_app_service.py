@@ -184,13 +184,18 @@ def test_a_text_past_the_window_shows_which_window_is_read(engine, tmp_path):
     assert len(service.store.margins(sid)) == session["segments_total"] == session["segments_read"] > 2
 
 
-def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path):
+@pytest.mark.parametrize("apart", [False, True], ids=["beside-the-database", "database-elsewhere"])
+def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path, apart):
     """Read, answer, restart (new Service and Store objects, the worker's readings gone), ask again: the
-    answer comes from the cache saved beside the database, with no document token prefilled again."""
+    answer comes from the cache saved in the data folder, with no document token prefilled again. `apart`: the
+    database is kept elsewhere (on local disk while the data folder is a network mount: app.py), and the caches
+    still go to the data folder."""
     from app import worker
-    db = tmp_path / "marginalia.db"
+    db = (tmp_path / "local" if apart else tmp_path) / "marginalia.db"
+    db.parent.mkdir(exist_ok=True)
     defaults = Defaults(segment_tokens=64, margin_tokens=8, answer_tokens=8, classifier="none")
-    first = Service(engine, Store(db), defaults)
+    data = {"data_dir": tmp_path} if apart else {}
+    first = Service(engine, Store(db), defaults, **data)
     doc = first.store.add_document("pride.txt", "txt", "Pride and Prejudice", TEXT,
                                    hashlib.sha256(TEXT.encode()).hexdigest())
     sid = first.start_read("alice", doc, "Who is in want of a wife?", first.settings())
@@ -199,13 +204,15 @@ def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path):
     assert session["status"] == "read" and session["cache_path"]
     folder = tmp_path / session["cache_path"]
     assert (folder / "reading.json").exists() and list(folder.glob("window-*.safetensors"))
+    if apart:
+        assert not (db.parent / "caches").exists()
     question = "Is the man rich?"
     first.start_answer("alice", sid, question)
     list(first.answer_stream("alice", sid, question))
     before = first.store.answers(sid)[-1]["text"]
 
     worker.clear()
-    second = Service(engine, Store(db), defaults)
+    second = Service(engine, Store(db), defaults, **data)
     assert worker.cached_sessions() == []
     second.start_answer("alice", sid, question)
     updates = list(second.answer_stream("alice", sid, question))

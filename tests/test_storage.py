@@ -1,6 +1,7 @@
 """app/storage.py against a real SQLite file (no mocks)."""
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 
@@ -247,3 +248,48 @@ def test_exports(store):
         assert piece in md, piece
     with pytest.raises(KeyError):
         store.export_markdown("no-such-session")
+
+
+# /proc/self/mounts as on a Space with a storage bucket at /data (hf-mount: NFS, or FUSE), and a few neighbours.
+MOUNTS = """overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u,workdir=/w 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+hf-mount /data {data} rw,relatime 0 0
+/dev/vdb /mnt/disk ext4 rw,relatime 0 0
+server:/export /mnt/my\\040share nfs4 rw,relatime,vers=4.2 0 0
+"""
+
+
+@pytest.mark.parametrize("fstype", ["nfs", "nfs4", "fuse", "fuse.hf-mount", "fuse.gcsfuse", "cifs"])
+def test_the_database_leaves_a_network_or_fuse_mount_for_local_disk(fstype):
+    where, why = storage.database_path("/data", "/app/data", MOUNTS.format(data=fstype))
+    assert where == "/app/data/marginalia.db"
+    assert fstype in why and "/data" in why and "/app/data/marginalia.db" in why  # what the log says
+    # Below the mount point too, and a mount point written with an escaped space.
+    assert storage.database_path("/data/marginalia", "/app/data", MOUNTS.format(data=fstype))[0] == \
+        "/app/data/marginalia.db"
+    assert storage.database_path("/mnt/my share/m", "/app/data", MOUNTS.format(data=fstype))[0] == \
+        "/app/data/marginalia.db"
+
+
+def test_the_database_stays_with_the_data_on_a_local_file_system():
+    mounts = MOUNTS.format(data="ext4")
+    for data in ("/data", "/data/sub", "/mnt/disk", "/home/me/marginalia", "/database"):
+        assert storage.database_path(data, "/app/data", mounts) == (f"{data}/marginalia.db", None)
+    # No /proc/self/mounts line for it (or none at all): kept where it was asked for.
+    assert storage.database_path("/x", "/app/data", "") == ("/x/marginalia.db", None)
+    # Where the local folder is on such a mount too, nothing is gained by moving: it stays, and the log says so.
+    where, why = storage.database_path("/data", "/data/app", MOUNTS.format(data="nfs"))
+    assert where == "/data/marginalia.db" and "stays" in why
+
+
+def test_this_machines_mounts_are_read(tmp_path):
+    """The real /proc/self/mounts: pytest's temporary folder is on local disk here, so the database stays."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            point, fstype = storage.mount_of(os.path.realpath(tmp_path), f.read())
+    except OSError:
+        pytest.skip("no /proc/self/mounts (not Linux)")
+    if storage.unsafe_for_sqlite(fstype):
+        pytest.skip(f"the temporary folder is itself on {fstype}")
+    assert storage.database_path(tmp_path, tmp_path / "local") == (str(tmp_path / "marginalia.db"), None)
