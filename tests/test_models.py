@@ -48,6 +48,52 @@ def test_gguf_file_path_reads_like_the_embedded_model(tmp_path):
     assert models.gguf_cache_folder(models.embedded_gguf()).joinpath("config.json").exists()
 
 
+def test_gguf_conversion_streamed_equals_what_transformers_loads(tmp_path, monkeypatch):
+    """convert_gguf de-quantizes one tensor at a time (its peak is a shard and a tensor, not the model twice):
+    its folder holds bit for bit every weight transformers' own GGUF loader gives the embedded model, under the
+    names save_pretrained wrote (the tied lm_head once), the same config files, and it loads and writes the
+    same greedy tokens as the model loaded from the GGUF."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(models, "CAST_SHARD_BYTES", 64 * 2**20)  # several shards, as for the 1.5B
+    monkeypatch.setattr(models, "GGUF_CHUNK_BYTES", 4 * 2**20)  # the large tensors de-quantized in several runs
+    gguf = models.embedded_gguf()
+    folder = models.convert_gguf(gguf, tmp_path / "streamed")
+    assert not (tmp_path / "streamed.partial").exists()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = reference.state_dict()
+    # What the conversion wrote before streaming: the loaded model saved whole.
+    reference.hf_quantizer = None
+    del reference.config.quantization_config
+    reference.save_pretrained(tmp_path / "saved")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", framework="pt") as f:
+        saved = set(f.keys())
+    assert reference.config.tie_word_embeddings and saved == set(loaded) - {"lm_head.weight"}
+    assert set(index["weight_map"]) == saved
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(folder / file, framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                assert tensor.dtype == loaded[key].dtype == torch.float32 and tensor.shape == loaded[key].shape
+                assert torch.equal(tensor.view(torch.int32), loaded[key].view(torch.int32)), key  # the bits
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (tmp_path / "saved" / name).read_bytes(), name
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = tokenizer(STORY[:400] + "\n" + QUESTION, return_tensors="pt")
+    tokens = [model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, prompt.input_ids.shape[1]:].tolist()
+              for model in (reference, converted)]
+    assert len(tokens[0]) == 16 and tokens[0] == tokens[1]
+
+
 def test_truncated_gguf_gets_a_clear_error(tmp_path):
     source = models.embedded_gguf().read_bytes()
     for cut in (len(source) // 2, 2000):  # past the header (tensors missing) and inside the header
@@ -181,7 +227,7 @@ def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch)
     assert folder == tmp_path / f"{source.name}-bfloat16"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    fp32 = load_file(next(source.glob("*.safetensors")))
+    fp32 = {k: v for file in source.glob("*.safetensors") for k, v in load_file(file).items()}  # 1 or more shards
     assert set(index["weight_map"]) == set(fp32)
     for file in set(index["weight_map"].values()):
         with safe_open(folder / file, framework="pt") as f:
