@@ -259,7 +259,7 @@ class Streams:
                 if ev.stopped:
                     status, panel.status = "stopped", "stopped"
                 else:
-                    self._learn_rates(ev)
+                    self._learn_rates(ev, estimate, _now() - started)
                     complete = all(i in panel.cards for i in range(len(segments)))
                     status, panel.status = ("read", "done") if complete else ("stopped", "stopped")
                 reuse = {"server_prompt_tokens": sent, "server_cached_tokens": cached} if sent else {}
