@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     from app import web, worker
     from engine import documents
     from app.service import Defaults, Service
-    from app.storage import Store, database_path
+    from app.storage import open_database
     from engine.wim import Engine
 
     log.info("loading the model %r (once, at start-up)…", args.model)
@@ -137,11 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("model ready in %.1f s: %s on %s (%s), %s-token window", time.perf_counter() - t, info["name"],
              info["device"], info["dtype"], f"{info['context_length']:,}")
 
-    db_path, moved = database_path(data_dir, DATA)
-    if moved:
-        log.warning("%s", moved)
-        os.makedirs(os.path.dirname(db_path), exist_ok=True)
-    store = Store(db_path)
+    # Off a mount where SQLite is not safe, the database goes to local disk and a copy of it is kept on the mount.
+    store, backup = open_database(data_dir, DATA, interval=_env_int("MARGINALIA_BACKUP_SECONDS", 30))
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
                         args.context_limit, args.margins)
     service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype,
@@ -161,10 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     demo = web.build(service, browser_secret(data_dir), login=login)
     demo.queue(default_concurrency_limit=1)
     log.info("data in %s (database: %s); serving on http://%s:%d", data_dir, store.path, args.host, args.port)
-    demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
-                max_file_size=documents.LIMITS.file_bytes, show_error=True,
-                blocked_paths=sorted({str(data_dir), os.path.dirname(store.path)}),
-                **web.launch_kwargs())
+    if backup is not None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # A Space stops the app with SIGTERM: end as on Ctrl-C, so that the last changes are copied below.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, inbrowser=args.browser,
+                    max_file_size=documents.LIMITS.file_bytes, show_error=True,
+                    blocked_paths=sorted({str(data_dir), os.path.dirname(store.path)}),
+                    **web.launch_kwargs())
+    finally:
+        if backup is not None and backup.stop():
+            log.info("the database's last changes were copied to %s", backup.target)
 
 
 if __name__ == "__main__":
