@@ -201,7 +201,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     test_models.py), without holding the model: the config and tokenizer come from transformers' GGUF parsers,
     the weights are de-quantized one tensor at a time (_write_gguf_weights), so the peak is one shard of about
     CAST_SHARD_BYTES plus the largest tensor in fp32 instead of the whole fp32 model and what de-quantizing it
-    all at once takes on top (the 1.5B: 1,462 MiB, was 8.7 GiB).
+    all at once takes on top (the 1.5B: 1,463 MiB, was 8,039 MiB; docs/models.md).
     """
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
