@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     from app import web, worker
     from engine import documents
     from app.service import Defaults, Service
-    from app.storage import open_database
+    from app.database_home import open_database
     from engine.wim import Engine
 
     log.info("loading the model %r (once, at start-up)…", args.model)
