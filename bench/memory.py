@@ -14,14 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, SHARED, cpu_name, md_table, write_results
+from bench.common import RESULTS, ROOT, SHARED, cpu_name, md_table, peak_rss_bytes, write_results
 
 SIDES = {"cast while loading": "off", "converted in the engine's dtype": "on"}
-
-
-def _peak_mib() -> float:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmHWM"].split()[0]) / 1024
 
 
 def child(spec: str, path: str) -> dict:
@@ -42,7 +37,7 @@ def child(spec: str, path: str) -> dict:
     most = max(most, reading.doc_end + reading.settings.answer_tokens)
     kv = most * kv_bytes_per_token(model)
     return {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "weights_mib": weights / 2**20,
-            "packs_mib": packs / 2**20, "kv_mib": kv / 2**20, "kv_tokens": most, "peak_rss_mib": _peak_mib(),
+            "packs_mib": packs / 2**20, "kv_mib": kv / 2**20, "kv_tokens": most, "peak_rss_mib": peak_rss_bytes() / 2**20,
             "answer": answer.text}
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, prose
+from bench.common import RESULTS, ROOT, peak_rss_bytes, prose, rss_bytes
 
 MODELS = ("embedded", "qwen2.5-1.5b")
 # from_pretrained(gguf_file=...) each time (transformers picks the dtype), or the folder convert_gguf wrote once,
@@ -30,8 +30,7 @@ SOURCES = ("gguf", "cache-fp32", "cache-bf16")
 
 def _rss_mib() -> tuple[float, float]:
     """(current, peak) resident set size of this process, MiB (the kernel's figures)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    return rss_bytes() / 2**20, peak_rss_bytes() / 2**20
 
 
 def _gguf_of(spec: str) -> Path:
