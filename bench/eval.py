@@ -37,12 +37,14 @@ from engine.classify import says_nothing
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
+# wim mode -> (the verdicts that choose its margins, the answer style past the window; None: the engine's default).
 # wim-<classifier>: the margins that classifier keeps; wim-reader: the margins a careful reader would keep (those
 # on the case's gold segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins,
 # answered past the window with their passages re-read into the answer window (answer_style lookup).
-WIM_MODES = ("wim-margin", "wim-llm", "wim-embedding", "wim-none", "wim-reader", "wim-lookup")
+WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
+             "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup")}
 MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
-ALIASES = {"wim": WIM_MODES}
+ALIASES = {"wim": tuple(WIM_MODES)}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
 MARGINS_ONLY_CLASSIFIER = "margin"
 LENGTHS = (4000, 7200)  # "4k" and "8k": 7.2k leaves the 8,192-token window room for 8 margins and the answer
@@ -162,7 +164,6 @@ class Evaluator:
             notes = {e.index: e for e in events if e.kind == "margin"}
             gold = gold_segments(case, reading)
             verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
-            verdicts["lookup"] = verdicts["margin"]
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
                     "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
                     "gold_segments": gold,
@@ -172,10 +173,10 @@ class Evaluator:
             out["wim-read"] = read
             answered: dict[tuple, dict] = {}  # selection -> record: two classifiers keeping the same margins
             for mode in wim_needed:           # get the same (greedy) answer, computed once
-                if mode.split("-", 1)[1] not in verdicts:
+                selection, style = WIM_MODES[mode]
+                if selection not in verdicts:
                     continue
-                chosen = [i for i, keep in verdicts[mode.split("-", 1)[1]].items() if keep]
-                style = "lookup" if mode == "wim-lookup" else None
+                chosen = [i for i, keep in verdicts[selection].items() if keep]
                 key = (tuple(chosen), style if reading.multiwindow else None)  # one window: no look-up either way
                 if key in answered:
                     same = answered[key]
