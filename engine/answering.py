@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .events import Answer, AnswerToken, Event, Notice
 from .generate import DecodeResult, Meter, Stopped
-from .prompts import fit_notes, prompt
+from .prompts import fit_notes, note_lines, prompt
 
 if TYPE_CHECKING:
     from .wim import Reading
@@ -187,8 +187,8 @@ class Answering:
             notice = r._keep_window(last)  # remargin, saving and plain follow-ups need it back afterwards
             if notice:
                 yield notice
-        full, _, _ = self._fit(query, notes, template, 10**9, set())
-        room = r.limit - len(r.layout.prefix) - len(full) - r.settings.answer_tokens
+        every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
+        room = r.limit - len(r.layout.prefix) - len(every_note) - r.settings.answer_tokens
         scores = r._note_scores()
         chosen, used = [], 0
         for i in sorted(notes, key=lambda i: (-scores.get(i, 1.0), i)):

@@ -62,6 +62,11 @@ class PromptLayout:
         return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def note_lines(notes: dict[int, str], used: list[int], label: Callable[[int], str]) -> str:
+    """The `used` notes as the answer prompt lists them: one line each, tagged with where it came from."""
+    return "\n".join(f"- [{label(i)}] {notes[i]}" for i in used)
+
+
 def fit_notes(notes: dict[int, str], scores: dict[int, float], build: Callable[[str], list[int]], room: int,
               in_cache: set[int], label: Callable[[int], str] = lambda i: f"segment {i + 1}"
               ) -> tuple[list[int], list[int], list[int]]:
@@ -74,7 +79,7 @@ def fit_notes(notes: dict[int, str], scores: dict[int, float], build: Callable[[
     give_up = iter(sorted(notes, key=lambda i: (i not in in_cache, scores.get(i, 1.0), i)))
     used, dropped = list(notes), []
     while True:
-        ids = build("\n".join(f"- [{label(i)}] {notes[i]}" for i in used))
+        ids = build(note_lines(notes, used, label))
         if len(ids) <= room or not used:
             return ids, used, sorted(dropped)
         victim = next(give_up)
