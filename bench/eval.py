@@ -282,6 +282,20 @@ def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
                              kind, "contained match (Wilson 95%)"),
                          "exact": (sum(r.get("exact", False) for r in got) / n) if n and kind != "list" else None,
                          "seconds": sum(r["seconds"] for r in got) / n if n else None})
+    # Overall, per length: the cases of the scored tasks (not the fixed samples, not the unanswerable questions,
+    # whose score is another measure) that every mode answered, so each column averages the same cases.
+    for length in dict.fromkeys(length for task, length in groups if task not in FIXED_TASKS):
+        shared = [c for (task, at), group in groups.items() if at == length and task not in FIXED_TASKS
+                  for c in group if c.kind != "unanswerable" and all(m in records.get(c.key, {}) for m in modes)]
+        for mode in modes:
+            got = [records[c.key][mode] for c in shared]
+            scores = [r["score"] for r in got]
+            n = len(scores)
+            lo, hi = bootstrap(scores) if n else (None, None)
+            rows.append({"task": "all", "length": length, "mode": mode, "n": n,
+                         "score": sum(scores) / n if n else None, "lo": lo, "hi": hi,
+                         "metric": "mean score of the cases every mode answered (bootstrap 95%)", "exact": None,
+                         "seconds": sum(r["seconds"] for r in got) / n if n else None})
     return rows
 
 
@@ -330,7 +344,7 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         table.append(line)
     cost = []
     for m in modes:
-        done = [r for r in rows if r["mode"] == m and r["n"]]
+        done = [r for r in rows if r["mode"] == m and r["n"] and r["task"] != "all"]
         n = sum(r["n"] for r in done)
         cost.append([m, f"{sum(r['seconds'] * r['n'] for r in done) / n:.1f}" if n else "-"])
     return "\n".join([

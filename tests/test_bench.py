@@ -75,9 +75,13 @@ def test_eval_quick(tmp_path):
     from bench.eval import MODES
     from bench.tasks import TASKS
     cells = {(r["task"], r["mode"]): r for r in data["results"]}
-    assert set(cells) == {(t, m) for t in TASKS for m in MODES}
-    for r in cells.values():
-        assert r["n"] == 1 and _number(r["score"]) and 0 <= r["lo"] <= r["score"] <= r["hi"] <= 1
+    assert set(cells) == {(t, m) for t in (*TASKS, "all") for m in MODES}
+    for (task, _), r in cells.items():
+        assert r["n"] == (len(TASKS) - ("unanswerable" in TASKS) if task == "all" else 1)
+        assert _number(r["score"]) and 0 <= r["lo"] <= r["score"] <= r["hi"] <= 1
+    for mode in MODES:  # overall: the mean of the scored tasks' cases
+        scored = [cells[(t, mode)]["score"] for t in TASKS if t != "unanswerable"]
+        assert abs(cells[("all", mode)]["score"] - sum(scored) / len(scored)) < 1e-9
     for task in TASKS:
         assert f"| {task} |" in md
     assert all(m in md for m in MODES) and "n=1" in md and data["meta"]["model"] in md
@@ -124,8 +128,12 @@ def test_eval_shard_runs_only_its_cases(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "eval_cases.shard3.jsonl").read_text().splitlines()]
     assert sorted(r["case"] for r in records) == sorted(c.key for c in mine) and {r["mode"] for r in records} == {"llm"}
     _run("bench.eval", tmp_path, "--cases", str(cases), "--modes", "llm", "--report")
-    counts = {r["task"]: r["n"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]}
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    counts = {r["task"]: r["n"] for r in results if r["task"] != "all"}
     assert counts == {c.task: int(c.task in {m.task for m in mine}) for c in read_cases(cases)}
+    from bench.tasks import FIXED_TASKS
+    overall = [r["n"] for r in results if r["task"] == "all"]
+    assert overall == [sum(m.task not in (*FIXED_TASKS, "unanswerable") for m in mine)]
 
 
 def test_scoring():
