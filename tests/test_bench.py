@@ -47,10 +47,22 @@ def test_speed_quick(tmp_path):
     assert all(_number(v) for v in rows["5_decode_and_truncate"]["ratio"].values())
     assert {r["mode"] for r in rows["7_memory"]} == {"wim", "plain", "naive", "reference"}
     assert all(_number(r["ratio"]) and r["peak_bytes"] > r["weights_bytes"] for r in rows["7_memory"])
-    assert _number(data["meta"]["gemm"]["fp32_gflops"]) and _number(data["meta"]["gemm"]["bf16_gflops"])
+    assert _number(data["meta"]["gemm"]["linear_gflops"])
     for row in range(1, 8):
         assert f"| {row} |" in md
     assert "identical: True" in done.stdout
+
+
+def test_prefill_quick(tmp_path):
+    shared("books", "pg84.txt")
+    _run("bench.prefill", tmp_path)
+    data = json.loads((tmp_path / "prefill_embedded.json").read_text())
+    assert [r["tokens"] for r in data["rows"]] == [256, 640]
+    for r in data["rows"]:
+        assert all(_number(r[k]) and r[k] > 0 for k in ("ratio", "gflops", "linear_gflops", "attention_kernel_gflops"))
+        shares = r["last_pass_time_shares"]
+        assert all(0 <= v <= 1 for v in shares.values()) and shares["linears"] > 0 and shares["attention"] > 0
+    assert "| 640 |" in (tmp_path / "prefill_embedded.md").read_text()
 
 
 def test_heap_quick(tmp_path):

@@ -1,0 +1,194 @@
+"""`python -m bench.prefill`: how close a prefill comes to this CPU's matmul rate, and where the rest goes.
+
+The yardstick is the model's own matmuls: every linear layer of one transformer layer (q, k, v, o, gate, up,
+down) at PREFILL_CHUNK rows, in the engine's dtype and at the thread count given (default: torch's, which is what
+the app uses), measured in the same process right before each prefill. A prefill's rate counts every matmul FLOP
+of its layers and of causal attention (bench.speed's Shape), so a pass that ran its linears at the yardstick's rate
+and its attention as fast would score 100%. The torch profiler then splits one 512-token pass after a cache of
+each length into the linears, the attention kernel and everything else, and the attention kernel is timed alone
+on the model's shape, to say which part holds a prefill below the yardstick.
+
+Results: bench/results/prefill.{md,json} (prefill_<model>.md for a model other than the default).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+from .common import RESULTS, book, cpu_name, load_engine, md_table, write_results
+
+TARGET = 0.85  # prefill FLOP/s / the model's own matmul FLOP/s, at 512 and 4k tokens
+LENGTHS = (512, 4096, 16384)
+
+
+def timed(fn, reps: int) -> float:
+    """The median seconds of `reps` calls after one warm-up call."""
+    fn()
+    seconds = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t)
+    return median(seconds)
+
+
+def layer_linears(model) -> dict:
+    layer = model.model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
+            "down": m.down_proj}
+
+
+def linear_gflops(model, dtype, rows: int, reps: int = 3) -> dict:
+    """The model's own matmul rate: one layer's linears at `rows` rows, as a prefill pass calls them (the modules
+    themselves: a 4-bit decode pack steps aside for passes this long). GFLOP/s over all seven, and each."""
+    import torch
+    each, flops, seconds = {}, 0, 0.0
+    with torch.inference_mode():
+        for name, linear in layer_linears(model).items():
+            x = torch.randn(rows, linear.in_features, dtype=dtype)
+            s = timed(lambda: linear(x), reps)
+            f = 2 * rows * linear.in_features * linear.out_features
+            each[name] = f / s / 1e9
+            flops, seconds = flops + f, seconds + s
+    return {"gflops": flops / seconds / 1e9, "each": each}
+
+
+def attention_gflops(shape, dtype, context: int, rows: int, reps: int = 3) -> float:
+    """The attention kernel alone, as engine/attention.py calls it for a `rows`-token pass after `context - rows`
+    cached tokens (grouped heads, the causal mask)."""
+    import torch
+    from engine.attention import attention
+    start = context - rows
+    q = torch.randn(1, rows, shape.heads, shape.head_dim, dtype=dtype).transpose(1, 2)
+    k = torch.randn(1, shape.kv_heads, context, shape.head_dim, dtype=dtype)
+    v = torch.randn(1, shape.kv_heads, context, shape.head_dim, dtype=dtype)
+    mask = (torch.arange(context)[None, :] <= torch.arange(start, context)[:, None])[None, None]
+    with torch.inference_mode():
+        s = timed(lambda: attention(None, q, k, v, mask, scaling=shape.head_dim ** -0.5), reps)
+    return 4 * shape.heads * shape.head_dim * (rows * start + rows * (rows + 1) // 2) / s / 1e9
+
+
+def pass_shares(runner, cache, ids: list[int]) -> dict:
+    """One forward pass of `ids` after what `cache` holds, under the torch profiler: the shares of its time in the
+    linears, in the attention kernel and in everything else."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.forward(ids, cache)
+    total = linears = attention = 0.0
+    for event in prof.key_averages():
+        total += event.self_cpu_time_total
+        if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu"):
+            linears += event.self_cpu_time_total
+        elif "attention" in event.key:
+            attention += event.self_cpu_time_total
+    return {"linears": linears / total, "attention": attention / total, "other": 1 - (linears + attention) / total}
+
+
+def measure(engine, lengths=LENGTHS, reps: int = 2, chunk: int | None = None, log=print) -> list[dict]:
+    """A row per length: the prefill of that many tokens into an empty cache against the yardstick measured right
+    before it (`reps` of each, medians), the attention kernel's rate at that context, and one profiled pass."""
+    import torch
+    from engine.cache import make_cache
+    from engine.generate import PREFILL_CHUNK, Runner
+    from .speed import Shape
+    lm = engine.lm
+    model, dtype = lm.model, lm.dtype
+    rows = chunk or PREFILL_CHUNK
+    shape = Shape.of(model)
+    text = book("pg84.txt")
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = (ids * (max(lengths) // len(ids) + 1))[:max(lengths)]
+    runner = Runner(model, lm.tokenizer, lm.device)
+    with torch.inference_mode():
+        warm = make_cache(model, rows + 8)
+        runner.prefill(ids[:rows], warm)  # the first passes pay one-time costs
+        del warm
+        out = []
+        for n in lengths:
+            log(f"prefill {n:,} tokens x{reps}")
+            yard, seconds = [], []
+            for _ in range(reps):
+                yard.append(linear_gflops(model, dtype, rows)["gflops"])
+                cache = make_cache(model, n + rows)
+                t = time.perf_counter()
+                runner.prefill(ids[:n], cache)
+                seconds.append(time.perf_counter() - t)
+                del cache
+            flops = shape.prefill_flops(n)
+            context = max(n, rows)
+            cache = make_cache(model, context + rows)
+            if context > rows:
+                runner.prefill(ids[:context - rows], cache)
+            shares = pass_shares(runner, cache, ids[context - rows:context])
+            del cache
+            gflops = flops / median(seconds) / 1e9
+            out.append({"tokens": n, "reps": reps, "seconds": median(seconds), "tokens_per_s": n / median(seconds),
+                        "gflop": flops / 1e9, "gflops": gflops, "linear_gflops": median(yard),
+                        "ratio": gflops / median(yard), "attention_flop_share": shape.attention_flops(0, n) / flops,
+                        "attention_kernel_gflops": attention_gflops(shape, dtype, context, rows),
+                        "last_pass_time_shares": shares})
+    return out
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    table = md_table(
+        ["tokens", "s", "tok/s", "GFLOP/s", "model's matmuls GFLOP/s", "prefill / matmuls", f"target >= {TARGET:.0%}",
+         "attention: share of FLOPs", "attention kernel GFLOP/s", "last 512-token pass: linears / attention / other"],
+        [[f"{r['tokens']:,}", f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['gflops']:.0f}",
+          f"{r['linear_gflops']:.0f}", f"{r['ratio']:.0%}",
+          ("yes" if r["ratio"] >= TARGET else "NO") if r["tokens"] <= 4096 else "(reported)",
+          f"{r['attention_flop_share']:.0%}", f"{r['attention_kernel_gflops']:.0f}",
+          " / ".join(f"{r['last_pass_time_shares'][k]:.0%}" for k in ("linears", "attention", "other"))]
+         for r in rows])
+    return "\n".join([
+        "# Prefill against the model's own matmuls\n",
+        f"{meta['model']}, {meta['dtype']}, {meta['threads']} thread(s), {meta['cpu']}; passes of {meta['chunk']} "
+        f"tokens; medians of {meta['reps']}; load average {meta['load']:.1f} before. The yardstick: one layer's seven "
+        f"linears at {meta['chunk']} rows, measured before each prefill; its plain "
+        f"{meta['chunk']}x{meta['hidden']} @ {meta['hidden']}x{meta['intermediate']} product ran at "
+        f"{meta['plain_gflops']:.0f} GFLOP/s.\n", table, ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-1.5b")
+    parser.add_argument("--lengths", default=",".join(str(n) for n in LENGTHS))
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's (all cores, as the app)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: the 135M, 256 and 640 tokens, once")
+    args = parser.parse_args(argv)
+    if args.quick:
+        if args.out is None:
+            parser.error("--quick writes only to a folder given by --out (never over bench/results)")
+        args.model, args.lengths, args.reps = "embedded", "256,640", 1
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    engine = load_engine(model=args.model)
+    lm = engine.lm
+    from engine.generate import PREFILL_CHUNK
+    cfg = lm.model.config.get_text_config(decoder=True)
+    a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)
+    b = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=lm.dtype)
+    plain = 2 * PREFILL_CHUNK * cfg.hidden_size * cfg.intermediate_size / timed(lambda: a @ b, 5) / 1e9
+    rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps)
+    meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "chunk": PREFILL_CHUNK, "reps": args.reps, "load": load, "plain_gflops": plain,
+            "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "target": TARGET}
+    md = markdown(meta, rows)
+    out = args.out or RESULTS
+    name = "prefill" + ("" if args.model == "qwen2.5-1.5b" else f"_{args.model.replace('/', '_')}")
+    write_results(out, name, {"meta": meta, "rows": rows}, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
