@@ -7,8 +7,14 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - list:        the notes as a list after the document, "answer in a few words";
 - margins:     the paper's framing (notes written in the margin while reading part by part), cite the notes
                used, say when the document does not say;
-- list-cite:   the list, and cite the notes after the answer;
-- list-unsure: the list, and say so when neither the document nor the notes answer.
+- list-cite:   the list, and cite the notes after the answer (the engine's default);
+- list-unsure: the list, and say so when neither the document nor the notes answer;
+- question-first: the question, then the notes as copied from the document, then "answer from the notes where
+               they answer it".
+Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's default (every note
+that did not say NONE), or `emb-or-rel`: a note MiniLM judges relevant, or one whose own relevance score is at least
+0.7. `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
+`plain` from the document alone.
 
 Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
 answerable and on unanswerable cases, and answers cut at their token limit. Records in --out, one line per
@@ -41,7 +47,29 @@ CANDIDATES = {
     # (list-cite is the engine's default, engine/prompts/answer.txt: the best score here, with citations)
     "list-unsure": _LIST + "Answer in a few words. If neither the document nor the notes answer the question, say "
                            "\"The document does not say.\"",
+    "question-first": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the document into the "
+                      "margins, in reading order:\n{margins}\n\nAnswer the question in a few words. Where the notes "
+                      "answer it, answer from them, and cite the notes you used, like [segment 3].",
 }
+RELEVANCE_OR = 0.7  # `emb-or-rel`: a note's own relevance score at which it is kept whatever MiniLM says
+
+
+def selections(reading, query: str, names: list[str]) -> dict[str, list[int]]:
+    """Segment indexes of the notes each named selection keeps, from one reading's notes."""
+    from engine.classify import Classifier, says_nothing
+    notes = {i: m for i, m in sorted(reading.margins.items()) if m.text and not says_nothing(m.text)}
+    out = {}
+    for name in names:
+        if name == "margin":
+            out[name] = list(notes)
+        elif name == "emb-or-rel":
+            judge = Classifier("embedding", reading.runner, reading.engine.layout,
+                               reading.settings.embedding_threshold)
+            out[name] = [i for i, m in notes.items()
+                         if (m.score is not None and m.score >= RELEVANCE_OR) or judge(query, m.text)[0]]
+        else:
+            raise ValueError(f"unknown selection {name!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
     parser.add_argument("--margins", default="extractive")
     parser.add_argument("--context-limit", type=int, default=None)
+    parser.add_argument("--candidates", default=",".join(CANDIDATES),
+                        help="comma list of PROMPT or PROMPT+SELECTION, PROMPT one of " + ", ".join(CANDIDATES)
+                             + ", margins-only; SELECTION margin (the default) or emb-or-rel; plain is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     args = parser.parse_args(argv)
     args.quick = False
@@ -75,27 +106,40 @@ def main(argv: list[str] | None = None) -> int:
             if r["fingerprint"] == fp:
                 done[r["case"]][r["candidate"]] = r
     from engine import Answer
-    names = [*CANDIDATES, "plain"]
+    from .baselines import margins_only
+    names = [*dict.fromkeys(c.removesuffix("+margin") for c in args.candidates.split(",")), "plain"]
+    unknown = [n for n in names[:-1] if n.partition("+")[0] not in (*CANDIDATES, "margins-only")]
+    if unknown:
+        parser.error(f"unknown candidate: {', '.join(unknown)}")
+    chosen_selections = list(dict.fromkeys(n.partition("+")[2] or "margin" for n in names[:-1]))
     for k, case in enumerate(cases):
         if all(n in done[case.key] for n in names):
             continue
         t = time.perf_counter()
         reading = engine.open(case.text, evaluator.settings(case, "wim"))
         list(reading.read(case.query))
-        kept = reading.default_selection()
+        chosen = selections(reading, case.query, chosen_selections)
         with path.open("a", encoding="utf-8") as f:
             for name in names:
                 if name in done[case.key]:
                     continue
                 if name == "plain" and reading.multiwindow:
                     continue  # plain reading past the window reads on its own (bench.eval's llm)
-                events = list(reading.answer(case.query, plain=True) if name == "plain"
-                              else reading.answer(case.query, template=CANDIDATES[name]))
-                answer = next(e for e in events if isinstance(e, Answer))
+                candidate, _, selection = name.partition("+")
+                kept = chosen[selection or "margin"] if name != "plain" else []
+                started = time.perf_counter()
+                if candidate == "margins-only":
+                    notes = {i: reading.margins[i].text for i in kept}
+                    text, ending, citations = margins_only(engine, case.query, notes, case.answer_tokens), "", []
+                else:
+                    events = list(reading.answer(case.query, plain=True) if name == "plain"
+                                  else reading.answer(case.query, margins=kept, template=CANDIDATES[candidate]))
+                    answer = next(e for e in events if isinstance(e, Answer))
+                    text, ending, citations = answer.text, answer.ending, answer.citations
                 rec = {"case": case.key, "task": case.task, "kind": case.kind, "candidate": name,
-                       "prediction": answer.text, "ending": answer.ending, "citations": answer.citations,
-                       "kept": kept, "not_stated": says_not_stated(answer.text), "fingerprint": fp,
-                       **score(case, answer.text)}
+                       "prediction": text, "ending": ending, "citations": citations, "seconds":
+                       time.perf_counter() - started, "kept": kept, "not_stated": says_not_stated(text),
+                       "fingerprint": fp, **score(case, text)}
                 done[case.key][name] = rec
                 f.write(json.dumps(rec) + "\n")
         summary(engine, args, cases, done, names)
@@ -119,14 +163,17 @@ def summary(engine, args, cases, done, names) -> None:
                      f"{sum(bool(r['citations']) for r in with_notes)}/{len(with_notes)}" if name != "plain" else "-",
                      f"{sum(r['not_stated'] for r in answerable)}/{len(answerable)}",
                      f"{sum(r['not_stated'] for r in unanswerable)}/{len(unanswerable)}",
-                     f"{sum(r['ending'] in ('limit', 'repeat') for r in recs)}/{len(recs)}"])
+                     f"{sum(r['ending'] in ('limit', 'repeat') for r in recs)}/{len(recs)}",
+                     ", ".join(f"{t} {sum(r['score'] for r in recs if r['task'] == t) / n:.2f}"
+                               for t in dict.fromkeys(r["task"] for r in recs)
+                               for n in [sum(r["task"] == t for r in recs)])])
     md = "\n".join(["# The answer prompt, by measurement\n",
                     f"{engine.lm.name}, {str(engine.lm.dtype).removeprefix('torch.')}; tasks {args.tasks} at "
                     f"{args.length} tokens, n={args.n} each, seed {args.seed}; one WiM read per case, every prompt "
                     "answering from its cache; CPU: " + cpu_name() + ".\n",
                     md_table(["prompt", "cases", "score (all)", "score (answerable)", "cites a note (where one was kept)",
                               "\"not stated\" on answerable", "\"not stated\" on unanswerable",
-                              "cut at limit or repeat"], rows), "",
+                              "cut at limit or repeat", "by task"], rows), "",
                     "The texts: bench/answer_prompts.py.", ""])
     write_results(args.out, "answer_prompts", {"rows": rows, "seed": args.seed, "default": prompt("answer")}, md)
 
