@@ -115,6 +115,18 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def timed(fn, reps: int) -> float:
+    """The median seconds of `reps` calls of `fn`, after one warm-up call (first calls pay one-time costs)."""
+    import time
+    fn()
+    seconds = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t)
+    return median(seconds)
+
+
 def machine() -> dict:
     import torch
     import transformers

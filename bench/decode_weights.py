@@ -12,21 +12,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from .common import RESULTS, load_engine, machine, md_table, median, prose, write_results
+from .common import RESULTS, load_engine, machine, md_table, median, prose, timed, write_results
 
 ROWS = (1, 2, 4, 8, 32, 512)
 PASS_TOKENS = (1, 2, 4, 8)
 CONTEXTS = (512, 4000)
-
-
-def timed(f, reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return median(times)
 
 
 def kernel_rows(lm, reps: int) -> list[dict]:

@@ -18,21 +18,10 @@ import time
 from pathlib import Path
 from statistics import median
 
-from .common import RESULTS, book, cpu_name, load_engine, md_table, write_results
+from .common import RESULTS, book, cpu_name, load_engine, md_table, timed, write_results
 
 TARGET = 0.85  # prefill FLOP/s / the model's own matmul FLOP/s, at 512 and 4k tokens
 LENGTHS = (512, 4096, 16384)
-
-
-def timed(fn, reps: int) -> float:
-    """The median seconds of `reps` calls after one warm-up call."""
-    fn()
-    seconds = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t)
-    return median(seconds)
 
 
 def layer_linears(model) -> dict:
