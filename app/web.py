@@ -20,6 +20,8 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.classify import COMBINED_RELEVANCE
+
 from . import render, worker
 from .library import ACCOUNT, library_html
 from .documents import SAMPLE, SAMPLE_QUESTION
@@ -33,6 +35,7 @@ ENGINE = "engine"  # the concurrency group of everything that runs the model
 BROWSER_KEY = "marginalia-browser"
 CLASSIFIERS = [("The note itself (copied something or said nothing)", "margin"),
                ("LLM (the reading model says yes/no)", "llm"), ("Embedding similarity (MiniLM)", "embedding"),
+               (f"MiniLM, or a note sure of itself (relevance {COMBINED_RELEVANCE} or more)", "combined"),
                ("None (keep every margin)", "none")]
 
 

@@ -12,8 +12,8 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - question-first: the question, then the notes as copied from the document, then "answer from the notes where
                they answer it".
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's default (every note
-that did not say NONE), or `emb-or-rel`: a note MiniLM judges relevant, or one whose own relevance score is at least
-0.7. `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
+that did not say NONE), or `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges relevant, or one
+whose own relevance score is at least 0.7). `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
 `plain` from the document alone.
 
 Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
@@ -51,7 +51,6 @@ CANDIDATES = {
                       "margins, in reading order:\n{margins}\n\nAnswer the question in a few words. Where the notes "
                       "answer it, answer from them, and cite the notes you used, like [segment 3].",
 }
-RELEVANCE_OR = 0.7  # `emb-or-rel`: a note's own relevance score at which it is kept whatever MiniLM says
 
 
 def selections(reading, query: str, names: list[str]) -> dict[str, list[int]]:
@@ -62,11 +61,9 @@ def selections(reading, query: str, names: list[str]) -> dict[str, list[int]]:
     for name in names:
         if name == "margin":
             out[name] = list(notes)
-        elif name == "emb-or-rel":
-            judge = Classifier("embedding", reading.runner, reading.engine.layout,
-                               reading.settings.embedding_threshold)
-            out[name] = [i for i, m in notes.items()
-                         if (m.score is not None and m.score >= RELEVANCE_OR) or judge(query, m.text)[0]]
+        elif name == "emb-or-rel":  # the engine's `combined` classifier
+            judge = Classifier("combined", reading.runner, reading.engine.layout, reading.settings.embedding_threshold)
+            out[name] = [i for i, m in notes.items() if judge(query, m.text, relevance=m.score)[0]]
         else:
             raise ValueError(f"unknown selection {name!r}")
     return out

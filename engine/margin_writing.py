@@ -89,6 +89,8 @@ class MarginWriting:
                 relevant, score = False, note.relevance
             elif s.classifier == "margin":
                 relevant, score = True, note.relevance
+            elif s.classifier == "combined":
+                relevant, score = classifier(query, note.text, stop, relevance=note.relevance)
             else:
                 relevant, score = classifier(query, note.text, stop)
         score = None if score is None else round(score, 4)

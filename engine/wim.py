@@ -52,7 +52,7 @@ class Settings:
     margins: str = "extractive"        # extractive (copied sentences, constrained) | scored | abstractive
     margin_tokens: int = 96            # longest margin note
     answer_tokens: int = 128           # longest answer
-    classifier: str = "margin"         # margin (relevance from the note itself) | llm | embedding | none
+    classifier: str = "margin"         # margin (relevance from the note itself) | llm | embedding | combined | none
     # An extractive note copies only where P(start a copy) / (P(copy) + P(NONE)) at its first step reaches this.
     copy_threshold: float = 0.5
     embedding_threshold: float = 0.3

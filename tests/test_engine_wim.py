@@ -128,6 +128,26 @@ def test_follow_up_reuses_cache_and_human_selection(engine):
     assert reading.cache.length == doc_end
 
 
+def test_combined_classifier_keeps_what_minilm_or_the_note_itself_keeps(engine):
+    """`combined`: a note is kept when MiniLM finds it similar enough to the question, or when its own relevance
+    (the first step's P(copy) against P(nothing)) is at least COMBINED_RELEVANCE; scored by that relevance.
+    Checked against MiniLM's similarity computed here, note by note."""
+    from engine.classify import COMBINED_RELEVANCE, embed, says_nothing
+    query = "What does the White Rabbit take out of its pocket?"
+    reading = engine.open(_chapter(), replace(SMALL, classifier="combined"))
+    margins = [e for e in reading.read(query) if isinstance(e, Margin)]
+    written = [m for m in margins if not says_nothing(m.text)]
+    assert written, "no note copied anything: nothing to check"
+    for m in margins:
+        if says_nothing(m.text):
+            assert m.relevant is False
+            continue
+        q, v = embed([query, m.text])
+        similar = float(q @ v) >= reading.settings.embedding_threshold
+        assert m.relevant == (m.score >= COMBINED_RELEVANCE or similar), (m.text, m.score, float(q @ v))
+    assert reading.default_selection() == [m.index for m in margins if m.relevant]
+
+
 def test_resume_keeps_saved_margins(engine):
     reading = engine.open(_chapter(3000), SMALL)
     events = list(reading.read("Who is late?", skip={0: "saved margin zero"}))
