@@ -32,16 +32,16 @@ from collections import defaultdict
 from pathlib import Path
 
 from engine.answering import says_not_stated, without_citations
-from engine.classify import COMBINED_RELEVANCE, says_nothing
+from engine.classify import combined_verdict, says_nothing
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
 # wim mode -> (the verdicts that choose its margins, the answer style past the window; None: the engine's default).
-# wim-<classifier>: the margins that classifier keeps (wim-combined: MiniLM's, or a note's own relevance of at least
-# engine/classify.py's COMBINED_RELEVANCE); wim-reader: the margins a careful reader would keep (those
-# on the case's gold segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins,
-# answered past the window with their passages re-read into the answer window (answer_style lookup).
+# wim-<classifier>: the margins that classifier keeps (wim-combined: engine/classify.py's combined_verdict, on the
+# read's own MiniLM verdicts); wim-reader: the margins a careful reader would keep (those on the case's gold
+# segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins, answered past the
+# window with their passages re-read into the answer window (answer_style lookup).
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
              "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup")}
@@ -165,8 +165,8 @@ class Evaluator:
             verdicts["margin"] = {i: bool(text) and not says_nothing(text) for i, text in margins.items()}
             notes = {e.index: e for e in events if e.kind == "margin"}
             if "embedding" in verdicts:  # `combined` (engine/classify.py): MiniLM, or a note sure of itself
-                verdicts["combined"] = {i: verdicts["margin"][i] and (verdicts["embedding"][i] or (
-                    notes[i].score is not None and notes[i].score >= COMBINED_RELEVANCE)) for i in margins}
+                verdicts["combined"] = {i: verdicts["margin"][i] and combined_verdict(verdicts["embedding"][i],
+                                                                                    notes[i].score) for i in margins}
             gold = gold_segments(case, reading)
             verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
             read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,

@@ -16,11 +16,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from statistics import median
 
-from .common import RESULTS, book, cpu_name, load_engine, md_table, timed, write_results
+from .common import RESULTS, book, cpu_name, load_engine, md_table, median, timed, write_results
+from .speed import TARGETS, Shape
 
-TARGET = 0.85  # prefill FLOP/s / the model's own matmul FLOP/s, at 512 and 4k tokens
+TARGET = TARGETS["prefill_efficiency"][1]  # bench.speed's row 4: prefill / the model's own matmuls, 512 and 4k
 LENGTHS = (512, 4096, 16384)
 
 
@@ -77,16 +77,15 @@ def pass_shares(runner, cache, ids: list[int]) -> dict:
     return {"linears": linears / total, "attention": attention / total, "other": 1 - (linears + attention) / total}
 
 
-def measure(engine, lengths=LENGTHS, reps: int = 2, chunk: int | None = None, log=print) -> list[dict]:
+def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
     """A row per length: the prefill of that many tokens into an empty cache against the yardstick measured right
     before it (`reps` of each, medians), the attention kernel's rate at that context, and one profiled pass."""
     import torch
     from engine.cache import make_cache
     from engine.generate import PREFILL_CHUNK, Runner
-    from .speed import Shape
     lm = engine.lm
     model, dtype = lm.model, lm.dtype
-    rows = chunk or PREFILL_CHUNK
+    rows = PREFILL_CHUNK  # the yardstick's rows are the prefill's passes
     shape = Shape.of(model)
     text = book("pg84.txt")
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -33,6 +33,12 @@ _NOTHING = re.compile(
     r"the (text|part|passage|document) (does not|doesn't|has no)|i (don't|do not) know|no relevant)", re.I)
 
 
+def combined_verdict(similar: bool, relevance: float | None) -> bool:
+    """`combined`'s rule for a note that copied something: MiniLM found it similar to the query, or the note's own
+    relevance is at least COMBINED_RELEVANCE."""
+    return similar or (relevance is not None and relevance >= COMBINED_RELEVANCE)
+
+
 def says_nothing(margin: str) -> bool:
     """True for margins that only say the segment had nothing relevant (or are empty)."""
     return not margin.strip() or bool(_NOTHING.match(margin.strip())) or "NO#" in margin
@@ -91,7 +97,7 @@ class Classifier:
         if self.method == "combined":
             if says_nothing(margin):
                 return False, relevance
-            sure = relevance is not None and relevance >= COMBINED_RELEVANCE
+            sure = combined_verdict(False, relevance)  # MiniLM is asked only when the note is not sure of itself
             return sure or self._similar(query, margin)[0], relevance
         if self.method == "llm":
             score = self.llm.score(query, margin, stop)

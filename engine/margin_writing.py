@@ -89,10 +89,8 @@ class MarginWriting:
                 relevant, score = False, note.relevance
             elif s.classifier == "margin":
                 relevant, score = True, note.relevance
-            elif s.classifier == "combined":
-                relevant, score = classifier(query, note.text, stop, relevance=note.relevance)
             else:
-                relevant, score = classifier(query, note.text, stop)
+                relevant, score = classifier(query, note.text, stop, relevance=note.relevance)
         score = None if score is None else round(score, 4)
         keep(MarginNote(seg.index, note.text, relevant, score, list(note.spans)))
         yield Margin(seg.index, note.text, relevant, score, note.tokens, round(seconds, 4), seg.pages,
