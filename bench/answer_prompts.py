@@ -10,7 +10,9 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - list-cite:   the list, and cite the notes after the answer (the engine's default);
 - list-unsure: the list, and say so when neither the document nor the notes answer;
 - question-first: the question, then the notes as copied from the document, then "answer from the notes where
-               they answer it".
+               they answer it";
+- list-cite-after: the list, the answer's own words first and the citations after them ("... [segment 3]");
+- question-twice: the question before the notes and again after them, citations as in list-cite-after.
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's default (every note
 that did not say NONE), or `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges relevant, or one
 whose own relevance score is at least 0.7). `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
@@ -50,6 +52,15 @@ CANDIDATES = {
     "question-first": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the document into the "
                       "margins, in reading order:\n{margins}\n\nAnswer the question in a few words. Where the notes "
                       "answer it, answer from them, and cite the notes you used, like [segment 3].",
+    # The answer's words first, each citation after the fact it supports: asked to cite "after the answer", a
+    # list answer at 16k came out as a list of citations.
+    "list-cite-after": _LIST + "Answer in a few words: first the answer itself, then the notes it comes from in "
+                               "brackets, like \"... [segment 3]\".",
+    # The question before the notes as well as after them (the answer window keeps document, notes, question).
+    "question-twice": "\n\nQuestion: {query}\n\nWhile reading, these notes were written in the margins, in reading "
+                      "order:\n{margins}\n\nUsing the document and the notes, answer the question: {query}\n"
+                      "Answer in a few words: first the answer itself, then the notes it comes from in brackets, "
+                      "like \"... [segment 3]\".",
 }
 
 
@@ -86,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of PROMPT or PROMPT+SELECTION, PROMPT one of " + ", ".join(CANDIDATES)
                              + ", margins-only; SELECTION margin (the default) or emb-or-rel; plain is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
+    parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
+                        help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "
+                             "again on a later run, so new candidates answer without reading again (~0.5 GB "
+                             "a 16k case)")
     args = parser.parse_args(argv)
     args.quick = False
     engine = load_engine(None, None, args.model)
@@ -114,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t = time.perf_counter()
         reading = engine.open(case.text, evaluator.settings(case, "wim"))
-        list(reading.read(case.query))
+        kept_read = args.reads / case.key.replace("/", "-") if args.reads else None
+        if not (kept_read and reading.restore(kept_read)):
+            list(reading.read(case.query))
+            if kept_read:
+                reading.save(kept_read)
         chosen = selections(reading, case.query, chosen_selections)
         with path.open("a", encoding="utf-8") as f:
             for name in names:
