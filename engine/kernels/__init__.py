@@ -21,6 +21,9 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# at::parallel_for is an OpenMP pragma in torch's headers: without -fopenmp it compiles to a serial loop. The
+# libgomp.so.1 it links resolves to the one torch has already loaded, so torch.set_num_threads governs it.
+OPENMP = ["-fopenmp"]
 
 _lock = threading.Lock()
 _op = None
@@ -57,7 +60,7 @@ def load():
             build = _build_dir() / "attention_bf16"
             build.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name="marginalia_attention_bf16", sources=[str(HERE / "attention_bf16.cpp")],
-                               extra_cflags=FLAGS, build_directory=str(build), is_python_module=False,
+                               extra_cflags=FLAGS + OPENMP, extra_ldflags=OPENMP, build_directory=str(build), is_python_module=False,
                                verbose=False)
             _op = torch.ops.marginalia.flash_attention_bf16
         except Exception as error:  # anything at all: the caller keeps torch's path
