@@ -28,8 +28,15 @@ pass at 7.5k tokens of context: 118 -> 65 ms for SmolLM2's shape, 219 -> 172 ms 
 46 -> 35 and 123 -> 99 ms; and the per-layer copies (44 MiB for the 1.5B at 7.5k, plus the kernel's own 74 MiB
 with repeated heads against 4 MiB) no longer raise the peak memory of a long read. Same result bit for bit in
 fp32.
+
+Opt-in, MARGINALIA_ATTENTION=fused: passes of several tokens (with a mask, or causal with no past) go to the
+fused bf16 kernel of engine/kernels (online softmax, bf16 dot products), where it loaded and takes the call;
+anything else keeps the paths above. Not the default: its numbers differ from torch's (within bf16 rounding),
+and a numeric change becomes the default only after a quality evaluation.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -97,9 +104,29 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     return out.transpose(1, 2).contiguous()
 
 
+def fused_enabled() -> bool:
+    return os.environ.get("MARGINALIA_ATTENTION") == "fused"
+
+
+def _fused(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """engine/kernels' output for a pass of several tokens, or None (not enabled, not loaded, not its case)."""
+    if not fused_enabled() or query.shape[2] < 2 or dropout != 0.0 or query.device.type != "cpu" \
+            or any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias", "sliding_window")):
+        return None
+    from .kernels import flash_attention
+    if attention_mask is not None:
+        return flash_attention(query, key, value, attention_mask, scaling)
+    if key.shape[2] == query.shape[2] and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        return flash_attention(query, key, value, None, scaling, causal=True)  # what sdpa's is_causal means here
+    return None
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               **kwargs):
     """transformers' attention-function signature; returns (output [batch, q, heads, dim], None)."""
+    fused = _fused(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    if fused is not None:
+        return fused, None
     if query.shape[2] == 1 and attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None \
             and kwargs.get("s_aux") is None:
         return grouped_decode(query, key, value, scaling), None

@@ -1,0 +1,129 @@
+"""Native kernels, built from source at first use; every failure means `None` and the caller's torch path.
+
+`flash_attention()` is the fused bf16 attention of attention_bf16.cpp (AVX-512 BF16 CPUs): it returns the
+output [1, q, heads, dim], or None where the kernel is unavailable (no avx512_bf16, no compiler or ninja, a
+failed build) or the call is outside what it handles (not bf16, batch > 1, head_dim not a multiple of 64, a
+non-boolean mask), so a caller can always fall back to its own path.
+
+The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
+~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
+the built library is just loaded); the first build took 10 s here (2 cores), a cached load 0.6 s.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# at::parallel_for is an OpenMP pragma in torch's headers: without -fopenmp it compiles to a serial loop. The
+# libgomp.so.1 it links resolves to the one torch has already loaded, so torch.set_num_threads governs it.
+OPENMP = ["-fopenmp"]
+
+_lock = threading.Lock()
+_op = None
+_tried = False
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " avx512bw" in flags and " avx512vl" in flags
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "marginalia" / "kernels"
+    return base / f"torch-{torch.__version__}"
+
+
+def load():
+    """The op torch.ops.marginalia.flash_attention_bf16, built and loaded once per process; None if impossible
+    (logged once)."""
+    global _op, _tried
+    if _tried:
+        return _op
+    with _lock:
+        if _tried:
+            return _op
+        try:
+            if not _cpu_has_avx512_bf16():
+                raise RuntimeError("this CPU has no avx512_bf16")
+            from torch.utils import cpp_extension
+            build = _build_dir() / "attention_bf16"
+            build.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name="marginalia_attention_bf16", sources=[str(HERE / "attention_bf16.cpp")],
+                               extra_cflags=FLAGS + OPENMP, extra_ldflags=OPENMP, build_directory=str(build), is_python_module=False,
+                               verbose=False)
+            _op = torch.ops.marginalia.flash_attention_bf16
+        except Exception as error:  # anything at all: the caller keeps torch's path
+            log.warning("fused attention kernel unavailable, using torch's: %s", str(error).strip().splitlines()[-1]
+                        if str(error).strip() else type(error).__name__)
+            _op = None
+        _tried = True
+    return _op
+
+
+# The causal test of a mask is made once per forward pass: every layer gets the same mask object, and the entry
+# keeps it alive, so a new pass's mask can never be taken for it.
+_causal_memo: tuple = (None, False)
+
+
+def _is_causal_at_offset(mask: torch.Tensor) -> bool:
+    """Whether mask [1, 1, q, ctx] is exactly "query row i sees keys 0 .. ctx - q + i"."""
+    global _causal_memo
+    held, verdict = _causal_memo
+    if held is not mask:
+        q, ctx = mask.shape[-2:]
+        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - q, ctx)[:, None]
+        verdict = bool(torch.equal(mask[0, 0], causal))
+        _causal_memo = (mask, verdict)
+    return verdict
+
+
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float | None, causal: bool = False) -> torch.Tensor | None:
+    """query [1, heads, q, dim], key/value [1, kv_heads, ctx, dim] (strided views are fine), mask [1, 1, q, ctx]
+    bool (True = visible), or mask None with causal=True for "row i sees keys 0 .. ctx - q + i"
+    -> [1, q, heads, dim] bf16, or None (unavailable or unsupported: use another path)."""
+    if mask is None and not causal:
+        return None  # the unmasked case (a decode step) is grouped_decode's
+    if not (query.dtype == key.dtype == value.dtype == torch.bfloat16) or query.device.type != "cpu" \
+            or query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1 \
+            or query.shape[-1] % 64 or query.shape[-1] > 256 or query.shape[1] % key.shape[1] \
+            or key.shape[2] < query.shape[2] or query.requires_grad:
+        return None
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 \
+                or tuple(mask.shape[2:]) != (query.shape[2], key.shape[2]):
+            return None
+        if _is_causal_at_offset(mask):
+            mask = None  # the kernel computes it from the offset, skipping the blocks nobody sees
+    op = load()
+    if op is None:
+        return None
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    try:
+        return op(query, key, value, mask, scale)
+    except RuntimeError as error:  # a check of the kernel's that the tests above missed: torch's path, said once
+        global _call_failed
+        if not _call_failed:
+            log.warning("fused attention kernel refused a call, using torch's: %s", str(error).splitlines()[0])
+            _call_failed = True
+        return None
+
+
+_call_failed = False
