@@ -39,6 +39,9 @@ from .eval import Evaluator, fingerprint, generate_cases, score
 
 _LIST = ("\n\nWhile reading, these notes were written in the margins:\n{margins}\n\n"
          "Using the document and the notes, answer the question: {query}\n")
+# The answer's words first, each citation after them (list-cite-after and question-twice).
+_CITE_AFTER = "Answer in a few words: first the answer itself, then the notes it comes from in brackets, like " \
+              "\"... [segment 3]\"."
 CANDIDATES = {
     "list": _LIST + "Answer in a few words.",
     "margins": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading order, "
@@ -54,13 +57,11 @@ CANDIDATES = {
                       "answer it, answer from them, and cite the notes you used, like [segment 3].",
     # The answer's words first, each citation after the fact it supports: asked to cite "after the answer", a
     # list answer at 16k came out as a list of citations.
-    "list-cite-after": _LIST + "Answer in a few words: first the answer itself, then the notes it comes from in "
-                               "brackets, like \"... [segment 3]\".",
+    "list-cite-after": _LIST + _CITE_AFTER,
     # The question before the notes as well as after them (the answer window keeps document, notes, question).
     "question-twice": "\n\nQuestion: {query}\n\nWhile reading, these notes were written in the margins, in reading "
                       "order:\n{margins}\n\nUsing the document and the notes, answer the question: {query}\n"
-                      "Answer in a few words: first the answer itself, then the notes it comes from in brackets, "
-                      "like \"... [segment 3]\".",
+                      + _CITE_AFTER,
 }
 
 

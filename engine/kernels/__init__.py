@@ -28,6 +28,7 @@ OPENMP = ["-fopenmp"]
 _lock = threading.Lock()
 _op = None
 _tried = False
+_call_failed = False  # a refused call is logged once
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -60,8 +61,8 @@ def load():
             build = _build_dir() / "attention_bf16"
             build.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name="marginalia_attention_bf16", sources=[str(HERE / "attention_bf16.cpp")],
-                               extra_cflags=FLAGS + OPENMP, extra_ldflags=OPENMP, build_directory=str(build), is_python_module=False,
-                               verbose=False)
+                               extra_cflags=FLAGS + OPENMP, extra_ldflags=OPENMP, build_directory=str(build),
+                               is_python_module=False, verbose=False)
             _op = torch.ops.marginalia.flash_attention_bf16
         except Exception as error:  # anything at all: the caller keeps torch's path
             log.warning("fused attention kernel unavailable, using torch's: %s", str(error).strip().splitlines()[-1]
@@ -125,5 +126,3 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _call_failed = True
         return None
 
-
-_call_failed = False
