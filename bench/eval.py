@@ -242,6 +242,13 @@ def gold_segments(case: Case, reading) -> list[int]:
 
 
 # ---- the record of results --------------------------------------------------------------------------------------
+def attention_kernel() -> str:
+    """Which attention the reads' prefill passes run: engine/kernels' fused one, or torch's."""
+    from engine.attention import fused_enabled
+    from engine.kernels import load
+    return "fused" if fused_enabled() and load() is not None else "torch"
+
+
 def fingerprint(engine, args) -> str:
     """What a stored result depends on: model, dtype, reading settings, prompts and seed."""
     from engine.prompts import PROMPT_DIR
@@ -249,6 +256,8 @@ def fingerprint(engine, args) -> str:
     parts = [engine.lm.name, str(engine.lm.dtype), args.margin_tokens, args.segments, args.max_segment_tokens,
              *([args.margins] if args.margins != "abstractive" else []),
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
+             # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
+             *(["attention=fused"] if attention_kernel() == "fused" else []),
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
@@ -477,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             "segments": args.segments, "margin_tokens": args.margin_tokens,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
-            "modes": modes, "quick": args.quick, "fingerprint": fp}
+            "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel()}
 
     if args.report:
         mine = []

@@ -6,6 +6,7 @@ Prefill asks the model for the logits of the last position only (`logits_to_keep
 """
 from __future__ import annotations
 
+import re
 import resource
 import threading
 import time
@@ -186,35 +187,39 @@ class Runner:
         ending.close()
 
 
+# A citation ("[segment 3]", "[segments 2, 5; page 4]") may come back in a list answer without the text looping
+# ("the sextant [segment 3], the whistle [segment 3]"), so the loop check leaves its tokens out. A bracket
+# still open after CITATION_TOKENS tokens is text, and is checked like the rest.
+_CITATION_SPAN = re.compile(r"\[\s*(?:segments?|parts?|pages?)\b[^\[\]]*\]", re.IGNORECASE)
+CITATION_TOKENS = 24
+
+
 class Ending:
     """Where free-form text ends, token by token (both the local and the server runner decode through it):
-    a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped) or, with `paragraph`, a blank line after
-    some text. `add` returns the new text to show, or None once the text is over; `close` fills `result`."""
+    a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped; citation tags do not count, but the same
+    citation twice in a row with no words between is a loop) or, with `paragraph`, a blank line after some
+    text. `add` returns the new text to show, or None once the text is over; `close` fills `result`."""
 
     def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True):
         self.tokenizer, self.result, self.paragraph, self.repeat = tokenizer, result, paragraph, repeat
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the text shown so far
+        self.decoded = ""  # the text of all of `ids` (may end in half a character)
+        self.checked: list[int] = []  # positions in `ids` the loop check has seen, in order: text, not citations
         self.seen: dict[tuple[int, ...], int] = {}
+        self.bracket: list[int] = []  # positions of the tokens of a bracket still open, not yet judged
+        self.bracket_from = 0  # where that bracket starts in `decoded`
+        self.last_citation, self.words_since_citation = "", 0
         result.reason = "limit"
 
     def add(self, token: int) -> str | None:
         ids = self.ids
         ids.append(token)
-        gram = tuple(ids[-REPEAT_NGRAM:])
-        if self.repeat and len(gram) == REPEAT_NGRAM:
-            if gram in self.seen:
-                # Keep everything before the repetition began: from the n-gram's second coming, step back
-                # while the tokens still equal those one period earlier (the loop may have started sooner).
-                period = len(ids) - self.seen[gram]
-                start = len(ids) - REPEAT_NGRAM
-                while start - 1 - period >= 0 and ids[start - 1] == ids[start - 1 - period]:
-                    start -= 1
-                del ids[start:]
-                self.result.reason = "repeat"
-                return None
-            self.seen[gram] = len(ids)
-        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        before = len(self.decoded)
+        full = self.decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.repeat and self._loops(full, before):
+            self.result.reason = "repeat"
+            return None
         if self.paragraph and "\n\n" in full.strip():
             ids.pop()
             self.result.reason = "paragraph"
@@ -223,6 +228,52 @@ class Ending:
             return ""
         piece, self.text = full[len(self.text):], full
         return piece
+
+    def _loops(self, full: str, before: int) -> bool:
+        """Whether the newest token completes a loop; if so, `ids` is cut back to where the loop began."""
+        position = len(self.ids) - 1
+        new = full[before:]
+        if not self.bracket and "[" not in new:
+            return self._check(position)
+        if not self.bracket:
+            self.bracket_from = before + new.index("[")
+        self.bracket.append(position)
+        still_open = full.rfind("[") > full.rfind("]")
+        if still_open and len(self.bracket) <= CITATION_TOKENS:
+            return False
+        held, self.bracket = self.bracket, []
+        citation = _CITATION_SPAN.search(full, self.bracket_from)
+        if citation is None or still_open:
+            return any(self._check(p) for p in held)
+        if citation.group(0) == self.last_citation and self.words_since_citation == 0:
+            del self.ids[held[0]:]
+            return True
+        self.last_citation, self.words_since_citation = citation.group(0), 0
+        if full.rfind("[") > citation.start():  # "][": this token opens the next bracket too
+            self.bracket, self.bracket_from = [position], full.rfind("[")
+        return False
+
+    def _check(self, position: int) -> bool:
+        """Add one token to the loop check; on a repeated REPEAT_NGRAM cut `ids` back to where the repetition
+        began: from the n-gram's second coming, step back while the tokens still equal those one period
+        earlier (the loop may have started sooner)."""
+        ids, checked = self.ids, self.checked
+        checked.append(position)
+        if any(ch.isalnum() for ch in self.tokenizer.decode([ids[position]])):
+            self.words_since_citation += 1
+        if len(checked) < REPEAT_NGRAM:
+            return False
+        gram = tuple(ids[p] for p in checked[-REPEAT_NGRAM:])
+        if gram not in self.seen:
+            self.seen[gram] = len(checked)
+            return False
+        tokens = [ids[p] for p in checked]
+        period = len(tokens) - self.seen[gram]
+        start = len(tokens) - REPEAT_NGRAM
+        while start - 1 - period >= 0 and tokens[start - 1] == tokens[start - 1 - period]:
+            start -= 1
+        del ids[checked[start]:]
+        return True
 
     def close(self) -> None:
         self.result.ids = self.ids

@@ -214,3 +214,32 @@ def test_a_loop_keeps_its_first_round(engine):
     assert first.reason == "repeat" and first.text == "Mary went to the garden. Mary"
     tight = written(" the end of the end of the end of")
     assert tight.reason == "repeat" and tight.text == " the end of"
+
+
+def test_citations_do_not_count_as_a_loop(engine):
+    """A list answer may cite one segment for several items: the repeated tag is not a loop, but the text
+    around it still is, and so is the same citation over and over with nothing between."""
+    from engine.generate import Ending
+    tok = engine.lm.tokenizer
+
+    def written(text: str) -> DecodeResult:
+        result = DecodeResult()
+        ending = Ending(tok, result)
+        for token in tok.encode(text, add_special_tokens=False):
+            if ending.add(token) is None:
+                break
+        ending.close()
+        return result
+
+    items = ("The lost things are the sextant [segment 3], the whistle [segment 3], the lamp [segments 3, 5], "
+             "the rope [segment 5] and the map [segment 3; page 2].")
+    listed = written(items)
+    assert listed.reason == "limit" and listed.text == items
+    looped = written("Mary went to the garden [segment 2]. Mary went to the garden [segment 2]. Mary went")
+    assert looped.reason == "repeat" and looped.text.startswith("Mary went to the garden [segment 2].")
+    assert looped.text.count("garden") == 1
+    stuck = written("The answer is in the notes [segment 4] [segment 4] [segment 4] [segment 4]")
+    assert stuck.reason == "repeat" and stuck.text.count("[segment 4]") == 1
+    # A bracket that is not a citation is text like any other.
+    brackets = written("the list [a, b, c, d] and again [a, b, c, d]")
+    assert brackets.reason == "repeat" and brackets.text.count("a, b, c") == 1
