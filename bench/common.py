@@ -130,13 +130,7 @@ def timed(fn, reps: int) -> float:
 def machine() -> dict:
     import torch
     import transformers
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -155,13 +149,19 @@ def write_results(out: Path, name: str, data: dict, markdown: str) -> tuple[Path
 
 
 def cpu_name() -> str:
-    """The CPU's model name (seconds are comparable only on one CPU), and whether it has AMX."""
+    """The CPU's model name, family and widest matrix instructions: seconds compare only on one CPU, and "AMD
+    EPYC" alone names generations 2x apart (AVX2 only; AVX-512 BF16, no AMX)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        return f"{name} ({'AMX' if 'amx_bf16' in info else 'no AMX'})"
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines[:40])}
+    flags = set(field.get("flags", "").split())
+    isa = ("AMX" if "amx_bf16" in flags else "AVX-512 BF16, no AMX" if "avx512_bf16" in flags
+           else "AVX-512, no BF16" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    family = f", family {field['cpu family']}" if "cpu family" in field else ""
+    return f"{name}{family} ({isa})"
 
 
 def md_table(header: list[str], rows: list[list]) -> str:
