@@ -195,19 +195,22 @@ def test_extractive_writer_never_copies_outside_the_pieces(engine):
             assert all(s in [p.span for p in pieces] for s in note.spans)
 
 
+def written_through_ending(tokenizer, text: str) -> DecodeResult:
+    """`text` fed token by token through generate.Ending, as a decode would write it: where it ends, and why."""
+    from engine.generate import Ending
+    result = DecodeResult()
+    ending = Ending(tokenizer, result)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if ending.add(token) is None:
+            break
+    ending.close()
+    return result
+
+
 def test_a_loop_keeps_its_first_round(engine):
     """Text that starts to repeat itself ends right before the repetition: its first round is kept whole."""
-    from engine.generate import Ending
-    tok = engine.lm.tokenizer
-
     def written(text: str) -> DecodeResult:
-        result = DecodeResult()
-        ending = Ending(tok, result)
-        for token in tok.encode(text, add_special_tokens=False):
-            if ending.add(token) is None:
-                break
-        ending.close()
-        return result
+        return written_through_ending(engine.lm.tokenizer, text)
 
     # The second round starts with " Mary" where the first had "Mary" (another token): cut there.
     first = written("Mary went to the garden. Mary went to the garden. Mary went")
@@ -219,17 +222,8 @@ def test_a_loop_keeps_its_first_round(engine):
 def test_citations_do_not_count_as_a_loop(engine):
     """A list answer may cite one segment for several items: the repeated tag is not a loop, but the text
     around it still is, and so is the same citation over and over with nothing between."""
-    from engine.generate import Ending
-    tok = engine.lm.tokenizer
-
     def written(text: str) -> DecodeResult:
-        result = DecodeResult()
-        ending = Ending(tok, result)
-        for token in tok.encode(text, add_special_tokens=False):
-            if ending.add(token) is None:
-                break
-        ending.close()
-        return result
+        return written_through_ending(engine.lm.tokenizer, text)
 
     items = ("The lost things are the sextant [segment 3], the whistle [segment 3], the lamp [segments 3, 5], "
              "the rope [segment 5] and the map [segment 3; page 2].")
