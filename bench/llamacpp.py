@@ -62,7 +62,8 @@ def measure(spec: str, decode_weights: str, args, log) -> dict:
     lm = engine.lm
     runner = lm.runner()
     gguf = gguf_of(spec)
-    ours_in = str(lm.dtype).removeprefix("torch.") + (", decode on the GGUF's 4-bit blocks" if lm.packs else "")
+    blocks = {"gguf4": "4-bit", "gguf": "4-, 6- and 8-bit"}.get(lm.packs.get("choice")) if lm.packs else None
+    ours_in = str(lm.dtype).removeprefix("torch.") + (f", decode on the GGUF's {blocks} blocks" if blocks else "")
     log(f"{lm.name}: ours {ours_in}, llama.cpp on {gguf.name}")
     worker = LlamaWorker(gguf, args.prompt + args.steps + 16, args.threads,
                          Path(args.out) / f"llamacpp-{lm.name.split()[0]}.log.tmp")

@@ -74,7 +74,8 @@ class LoadedModel:
             "layers": cfg.num_hidden_layers,
             "load_seconds": round(self.load_seconds, 2),
             "spec": self.spec,
-            "decode_weights": (f"GGUF 4-bit blocks for {self.packs['packed']} matrices "
+            "decode_weights": (f"GGUF {'4-bit' if self.packs.get('choice') == 'gguf4' else '4-, 6- and 8-bit'} "
+                               f"blocks for {self.packs['packed']} matrices "
                                f"({self.packs['bytes'] / 2**20:,.0f} MiB)" if self.packs and self.packs["packed"]
                                else "full"),
         }
@@ -433,21 +434,22 @@ def gguf_file(spec: str) -> Path | None:
     return Path(spec).expanduser() if spec.lower().endswith(".gguf") else None
 
 
-DECODE_WEIGHTS = ("gguf4", "full")
+DECODE_WEIGHTS = ("gguf4", "gguf", "full")
 
 
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `full`: the loaded weights only.
-    `auto` (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a CPU in fp32, bf16 or fp16 (the kernel's types;
-    a GPU has no use for the CPU kernel, and fp64 is there for exact comparisons)."""
+    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `gguf`: those and its 6- and 8-bit
+    tensors as int8 (opt-in until its answers are measured); `full`: the loaded weights only. `auto`
+    (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a CPU in fp32, bf16 or fp16 (the kernel's types; a GPU
+    has no use for the CPU kernel, and fp64 is there for exact comparisons)."""
     choice = choice or os.environ.get("MARGINALIA_DECODE_WEIGHTS") or "auto"
     if choice == "auto":
         fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
         return "gguf4" if fits else "full"
     if choice not in DECODE_WEIGHTS:
         raise ValueError(f"decode weights must be auto, {' or '.join(DECODE_WEIGHTS)}, not {choice!r}")
-    if choice == "gguf4" and (device.type != "cpu" or dtype == torch.float64):
-        raise ValueError(f"gguf4 decode weights need a CPU and fp32, bf16 or fp16 (here {device.type}, {dtype})")
+    if choice != "full" and (device.type != "cpu" or dtype == torch.float64):
+        raise ValueError(f"{choice} decode weights need a CPU and fp32, bf16 or fp16 (here {device.type}, {dtype})")
     return choice
 
 
@@ -529,9 +531,10 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     model.to(dev).eval()
     packs = None
     source = gguf_file(spec)
-    if pick_decode_weights(decode_weights, dev, torch_dtype) == "gguf4" and source is not None:
+    decode = pick_decode_weights(decode_weights, dev, torch_dtype)
+    if decode != "full" and source is not None:
         from .packed import add_decode_packs
-        packs = add_decode_packs(model, source, converted)
+        packs = add_decode_packs(model, source, converted, int8=decode == "gguf") | {"choice": decode}
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length

@@ -14,7 +14,11 @@ The packs hold the file's values, not a re-quantization of them: a Q4_1 block is
 matrix is checked against the weight transformers de-quantized from the same file (equal up to the dtype's
 rounding) when the packs are built, once per converted model (kept beside its folder); a matrix that is not
 (another architecture's row order, other values) stays unpacked.
-Q6_K and Q8_0 tensors (the 1.5B's output matrix and half its value and down projections) stay unpacked too.
+Q6_K and Q8_0 tensors (the 1.5B's output matrix and half its value and down projections) stay unpacked in
+`gguf4`. With `gguf` they are kept too, as the file's int8 values and one fp32 scale per group (Q6_K: 16 values,
+scale d * sub-scale, values q - 32; Q8_0: 32, scale d) for engine/kernels' AVX2 kernel: 1.25 and 1.125 bytes a
+value against fp32's 4 (on a CPU without bf16 matrix units the full weights are fp32, and these tensors are 70%
+of what a decode step of the 1.5B reads there). Checked against the loaded weight the same way.
 """
 from __future__ import annotations
 
@@ -38,15 +42,23 @@ _MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_down": "mlp.down_proj"}
 
 
-class PackedLinear(torch.nn.Linear):
-    """A linear layer with its full weight (passes of many rows) and the same values in 4-bit groups (few rows)."""
+class _DecodeCopy(torch.nn.Linear):
+    """A linear layer with its full weight (passes of many rows) and a second copy of the same values, in
+    buffers that are not saved with the model, for passes of few rows."""
 
-    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_zeros: torch.Tensor):
+    def __init__(self, linear: torch.nn.Linear, **copy: torch.Tensor):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        for name, tensor in copy.items():
+            self.register_buffer(name, tensor, persistent=False)
+
+
+class PackedLinear(_DecodeCopy):
+    """The second copy in 4-bit groups, for torch's int4 kernel."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_zeros: torch.Tensor):
+        super().__init__(linear, packed=packed, scales_zeros=scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -56,6 +68,47 @@ class PackedLinear(torch.nn.Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_DecodeCopy):
+    """The second copy as int8 values with group scales, for engine/kernels' int8 kernel (the full weight where
+    that kernel is not there)."""
+
+    def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__(linear, q=q, scale=scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= DECODE_ROWS:
+            from .kernels import gemv_int8
+            y = gemv_int8(x.reshape(rows, x.shape[-1]), self.q, self.scale)
+            if y is not None:
+                if self.bias is not None:
+                    y = y + self.bias
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+INT8_KINDS = {"Q6_K": 16, "Q8_0": 32}  # block type -> values per scale
+
+
+def int8_groups_of(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale) of a Q6_K or Q8_0 tensor's raw blocks [rows, bytes]: q int8 [rows, cols], scale float32
+    [rows, cols / INT8_KINDS[kind]], so that value = scale * q (exactly gguf-py's de-quantization)."""
+    rows = blocks.shape[0]
+    if kind == "Q8_0":
+        b = blocks.reshape(rows, -1, 34)                             # d, then 32 int8 values
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        return b[..., 2:].copy().view(np.int8).reshape(rows, -1), d
+    if kind == "Q6_K":
+        b = blocks.reshape(-1, 210)                                  # 256 values: 128 low nibbles, 64 of high bits,
+        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]  # 16 scales, d (gguf-py's order)
+        scale = d.copy().view(np.float16).astype(np.float32) * sc.copy().view(np.int8).astype(np.float32)
+        ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+        q = (ql.reshape(-1, 2, 4, 32) | (qh.reshape(-1, 2, 4, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return q.reshape(rows, -1), scale.reshape(rows, -1)
+    raise ValueError(f"not a 6- or 8-bit block type: {kind}")
 
 
 def groups_of(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,65 +145,68 @@ def _llama_rows(rows: int, heads: int) -> np.ndarray:
 
 
 PACKS_SUFFIX = ".decode-gguf4.safetensors"
+INT8_PACKS_SUFFIX = ".decode-gguf8.safetensors"
 
 
-def packs_path(folder: Path) -> Path:
+def packs_path(folder: Path, suffix: str = PACKS_SUFFIX) -> Path:
     """Where a converted model's packs live: beside its folder, not in it (a server such as vLLM loads every
     *.safetensors file in a model folder as weights, and refuses the packs' names)."""
-    return folder.with_name(folder.name + PACKS_SUFFIX)
+    return folder.with_name(folder.name + suffix)
 
 
-def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path) -> dict:
-    """Give each linear layer of `model` whose GGUF tensor is 4-bit its packs (PackedLinear). The packs are
-    built once, beside the model's converted folder (reading the GGUF's header alone takes ~18 s for the
-    1.5B's 151k-token vocabulary), and loaded from there afterwards. Returns: matrices packed, their bytes."""
+def _packs_file(path: Path, build) -> dict[str, torch.Tensor]:
+    """The packs saved at `path`, built by `build()` and saved there the first time."""
     from safetensors.torch import load_file, save_file
-
-    path = packs_path(folder)
     if path.exists():
-        packs = load_file(path)
-    else:
-        packs = build_packs(model, gguf)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes may build it at once
-        save_file(packs, tmp)
-        tmp.rename(path)  # atomic: a half-written file is never taken for a finished one
+        return load_file(path)
+    packs = build()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes may build it at once
+    save_file(packs, tmp)
+    tmp.rename(path)  # atomic: a half-written file is never taken for a finished one
+    return packs
+
+
+def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, int8: bool = False) -> dict:
+    """Give each linear layer of `model` whose GGUF tensor is 4-bit its packs (PackedLinear) and, with `int8`,
+    each whose tensor is Q6_K or Q8_0 (the output matrix too) its int8 values (Int8Linear). The packs are built
+    once, beside the model's converted folder (reading the GGUF's header alone takes ~18 s for the 1.5B's
+    151k-token vocabulary), and loaded from there afterwards. Returns: matrices packed, their bytes."""
     modules = dict(model.named_modules())
     packed = nbytes = 0
+
+    def replace(name: str, layer: torch.nn.Module, *tensors: torch.Tensor) -> None:
+        nonlocal packed, nbytes
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, layer)
+        packed += 1
+        nbytes += sum(t.numel() * t.element_size() for t in tensors)
+
+    packs = _packs_file(packs_path(folder), lambda: build_packs(model, gguf))
     for key, pack in packs.items():
         name, _, what = key.rpartition(".")
         linear = modules.get(name)
-        if what != "packed" or not isinstance(linear, torch.nn.Linear):
-            continue
-        scales_zeros = packs[f"{name}.scales_zeros"].to(linear.weight.dtype)
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent], child, PackedLinear(linear, pack, scales_zeros))
-        packed += 1
-        nbytes += pack.numel() * pack.element_size() + scales_zeros.numel() * scales_zeros.element_size()
+        if what == "packed" and isinstance(linear, torch.nn.Linear):
+            scales_zeros = packs[f"{name}.scales_zeros"].to(linear.weight.dtype)
+            replace(name, PackedLinear(linear, pack, scales_zeros), pack, scales_zeros)
+    if int8:
+        packs = _packs_file(packs_path(folder, INT8_PACKS_SUFFIX), lambda: build_int8_packs(model, gguf))
+        for key, q in packs.items():
+            name, _, what = key.rpartition(".")
+            linear = modules.get(name)
+            if what == "q" and isinstance(linear, torch.nn.Linear):
+                scale = packs[f"{name}.scale"]
+                replace(name, Int8Linear(linear, q, scale), q, scale)
     return {"packed": packed, "bytes": nbytes}
 
 
 def build_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
     """`{module}.packed` (uint8, the kernel's layout) and `{module}.scales_zeros` (fp32 [cols / 32, rows, 2]) for
     every linear layer whose GGUF tensor is 4-bit and matches the loaded weight."""
-    from gguf import GGUFReader
 
-    cfg = model.config.get_text_config()
-    arch = getattr(cfg, "model_type", "")
-    modules = dict(model.named_modules())
     packs = {}
-    for tensor in GGUFReader(gguf).tensors:
-        parts = tensor.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _MODULES or parts[3] != "weight":
-            continue
-        name = f"model.layers.{parts[1]}.{_MODULES[parts[2]]}"
-        linear = modules.get(name)
-        kind = tensor.tensor_type.name
-        if not isinstance(linear, torch.nn.Linear) or kind not in ("Q4_0", "Q4_1", "Q4_K"):
-            continue
-        q, scale, low = groups_of(kind, np.asarray(tensor.data))
-        if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
-            order = _llama_rows(q.shape[0], heads)
+    for name, linear, kind, blocks, order in _linear_tensors(model, gguf, ("Q4_0", "Q4_1", "Q4_K"), output=False):
+        q, scale, low = groups_of(kind, blocks)
+        if order is not None:
             q, scale, low = q[order], scale[order], low[order]
         if not _matches(linear.weight, q, scale, low):
             log.warning("%s: the GGUF's %s values do not match the loaded weight; left unpacked", name, kind)
@@ -162,16 +218,66 @@ def build_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
     return packs
 
 
-def _matches(weight: torch.Tensor, q: np.ndarray, scale: np.ndarray, low: np.ndarray) -> bool:
-    """Whether the loaded weight is these groups' values up to its dtype's rounding (every row: the packs are
-    built once; ~20 s for the 1.5B's 1.1 G values)."""
-    if tuple(weight.shape) != q.shape or q.shape[1] % GROUP:
+def build_int8_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
+    """`{module}.q` (int8 [rows, cols]) and `{module}.scale` (fp32 [rows, cols / group]) for every linear layer,
+    the output matrix included, whose GGUF tensor is Q6_K or Q8_0 and matches the loaded weight."""
+    packs = {}
+    for name, linear, kind, blocks, order in _linear_tensors(model, gguf, tuple(INT8_KINDS)):
+        q, scale = int8_groups_of(kind, blocks)
+        if order is not None:
+            q, scale = q[order], scale[order]
+        if not _matches(linear.weight, q, scale, None, INT8_KINDS[kind]):
+            log.warning("%s: the GGUF's %s values do not match the loaded weight; left unpacked", name, kind)
+            continue
+        packs[f"{name}.q"] = torch.from_numpy(np.ascontiguousarray(q))
+        packs[f"{name}.scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+    return packs
+
+
+def _linear_tensors(model: torch.nn.Module, gguf: Path, kinds: tuple[str, ...], output: bool = True):
+    """(module name, linear layer, block type, raw blocks, row order or None) for each GGUF tensor of one of
+    `kinds` that is the weight of one of `model`'s layers' linears and, with `output`, of the output matrix (the
+    embedding's, when the model ties them and the file has no output tensor)."""
+    from gguf import GGUFReader
+
+    cfg = model.config.get_text_config()
+    arch = getattr(cfg, "model_type", "")
+    modules = dict(model.named_modules())
+    tensors = GGUFReader(gguf).tensors
+    names = {t.name for t in tensors}
+    for tensor in tensors:
+        parts = tensor.name.split(".")
+        if output and (tensor.name == "output.weight" or (tensor.name == "token_embd.weight" and "output.weight"
+                                                          not in names and getattr(cfg, "tie_word_embeddings", False))):
+            name = "lm_head"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _MODULES and parts[3] == "weight":
+            name = f"model.layers.{parts[1]}.{_MODULES[parts[2]]}"
+        else:
+            continue
+        linear = modules.get(name)
+        kind = tensor.tensor_type.name
+        if not isinstance(linear, torch.nn.Linear) or kind not in kinds:
+            continue
+        order = None
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if parts[-2] == "attn_q" else cfg.num_key_value_heads
+            order = _llama_rows(linear.weight.shape[0], heads)
+        yield name, linear, kind, np.asarray(tensor.data), order
+
+
+def _matches(weight: torch.Tensor, q: np.ndarray, scale: np.ndarray, low: np.ndarray | None,
+             group: int = GROUP) -> bool:
+    """Whether the loaded weight is these groups' values (scale * q + low) up to its dtype's rounding (every
+    row: the packs are built once; ~20 s for the 1.5B's 1.1 G values)."""
+    if tuple(weight.shape) != q.shape or q.shape[1] % group:
         return False
     eps = torch.finfo(weight.dtype).eps
     for start in range(0, q.shape[0], 1024):  # in slices: the fp32 copies of a whole matrix would be ~100 MB
         rows = slice(start, start + 1024)
-        values = (torch.from_numpy(q[rows]).reshape(-1, q.shape[1] // GROUP, GROUP).float()
-                  * torch.from_numpy(scale[rows])[..., None] + torch.from_numpy(low[rows])[..., None])
+        values = (torch.from_numpy(q[rows]).reshape(-1, q.shape[1] // group, group).float()
+                  * torch.from_numpy(scale[rows])[..., None])
+        if low is not None:
+            values = values + torch.from_numpy(low[rows])[..., None]
         values = values.reshape(-1, q.shape[1])
         if not bool(((weight[rows].float() - values).abs() <= values.abs() * eps + 1e-7).all()):
             return False

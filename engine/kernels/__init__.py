@@ -5,6 +5,9 @@ output [1, q, heads, dim], or None where the kernel is unavailable (no avx512_bf
 failed build) or the call is outside what it handles (not bf16, batch > 1, head_dim not a multiple of 64, a
 non-boolean mask), so a caller can always fall back to its own path.
 
+`gemv_int8()` is gemv_int8.cpp (AVX2 + FMA CPUs): a decode step's few rows times a matrix kept as the GGUF's
+int8 values and group scales (engine/packed.py's 6- and 8-bit packs), or None likewise.
+
 The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
 ~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
 the built library is just loaded); the first build took 10 s here (2 cores), a cached load 0.6 s.
@@ -20,23 +23,19 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
-FLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # at::parallel_for is an OpenMP pragma in torch's headers: without -fopenmp it compiles to a serial loop. The
 # libgomp.so.1 it links resolves to the one torch has already loaded, so torch.set_num_threads governs it.
 OPENMP = ["-fopenmp"]
-
-_lock = threading.Lock()
-_op = None
-_tried = False
 _call_failed = False  # a refused call is logged once
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512_bf16" in flags and " avx512bw" in flags and " avx512vl" in flags
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def _build_dir() -> Path:
@@ -45,31 +44,54 @@ def _build_dir() -> Path:
     return base / f"torch-{torch.__version__}"
 
 
+class Native:
+    """One C++ source built at first use into one torch op, for CPUs with the instructions it is compiled for."""
+
+    def __init__(self, source: str, op: str, flags: list[str], needs: set[str]):
+        self.source, self.op, self.flags, self.needs = source, op, flags, needs
+        self._lock = threading.Lock()
+        self._op = None
+        self._tried = False
+
+    def load(self):
+        """The op, built and loaded once per process; None if impossible (logged once)."""
+        if self._tried:
+            return self._op
+        with self._lock:
+            if self._tried:
+                return self._op
+            missing = sorted(self.needs - _cpu_flags())
+            if missing:  # expected on many CPUs: torch's path, nothing to warn about
+                log.info("%s not built: this CPU has no %s", self.source, ", ".join(missing))
+                self._tried = True
+                return None
+            try:
+                from torch.utils import cpp_extension
+                name = Path(self.source).stem
+                build = _build_dir() / name
+                build.mkdir(parents=True, exist_ok=True)
+                cpp_extension.load(name=f"marginalia_{name}", sources=[str(HERE / self.source)],
+                                   extra_cflags=["-O3", *self.flags, *OPENMP], extra_ldflags=OPENMP,
+                                   build_directory=str(build), is_python_module=False, verbose=False)
+                namespace, _, op = self.op.partition("::")
+                self._op = getattr(getattr(torch.ops, namespace), op)
+            except Exception as error:  # anything at all: the caller keeps torch's path
+                log.warning("%s unavailable, using torch's path: %s", self.source,
+                            str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+                self._op = None
+            self._tried = True
+        return self._op
+
+
+ATTENTION = Native("attention_bf16.cpp", "marginalia::flash_attention_bf16",
+                   ["-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+                   {"avx512_bf16", "avx512bw", "avx512vl"})
+GEMV_INT8 = Native("gemv_int8.cpp", "marginalia_int8::gemv_int8_groups", ["-mavx2", "-mfma"], {"avx2", "fma"})
+
+
 def load():
-    """The op torch.ops.marginalia.flash_attention_bf16, built and loaded once per process; None if impossible
-    (logged once)."""
-    global _op, _tried
-    if _tried:
-        return _op
-    with _lock:
-        if _tried:
-            return _op
-        try:
-            if not _cpu_has_avx512_bf16():
-                raise RuntimeError("this CPU has no avx512_bf16")
-            from torch.utils import cpp_extension
-            build = _build_dir() / "attention_bf16"
-            build.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name="marginalia_attention_bf16", sources=[str(HERE / "attention_bf16.cpp")],
-                               extra_cflags=FLAGS + OPENMP, extra_ldflags=OPENMP, build_directory=str(build),
-                               is_python_module=False, verbose=False)
-            _op = torch.ops.marginalia.flash_attention_bf16
-        except Exception as error:  # anything at all: the caller keeps torch's path
-            log.warning("fused attention kernel unavailable, using torch's: %s", str(error).strip().splitlines()[-1]
-                        if str(error).strip() else type(error).__name__)
-            _op = None
-        _tried = True
-    return _op
+    """The fused attention op, or None (see Native.load)."""
+    return ATTENTION.load()
 
 
 # The causal test of a mask is made once per forward pass: every layer gets the same mask object, and the entry
@@ -107,7 +129,7 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             return None
         if _is_causal_at_offset(mask):
             mask = None  # the kernel computes it from the offset, skipping the blocks nobody sees
-    op = load()
+    op = ATTENTION.load()
     if op is None:
         return None
     if query.stride(-1) != 1:
@@ -126,3 +148,19 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _call_failed = True
         return None
 
+
+
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """x [rows <= 4, K] times the matrix scale * q (q int8 [N, K], scale fp32 [N, K / group], groups of a
+    multiple of 16) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight)."""
+    op = GEMV_INT8.load()
+    if op is None:
+        return None
+    try:
+        return op(x.float().contiguous(), q, scale).to(x.dtype)
+    except RuntimeError as error:
+        global _call_failed
+        if not _call_failed:
+            log.warning("int8 kernel refused a call, using the full weight: %s", str(error).splitlines()[0])
+            _call_failed = True
+        return None
