@@ -177,9 +177,15 @@ def test_the_packs_are_built_once(tmp_path, monkeypatch):
     assert add_decode_packs(again.model, embedded_gguf(), folder) == first
 
 
-def test_where_packs_are_used():
+def test_where_packs_are_used(monkeypatch):
+    from engine import model
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(model, "cpu_has_avx512", lambda: True)
     assert pick_decode_weights("auto", cpu, torch.bfloat16) == "gguf4"
+    monkeypatch.setattr(model, "cpu_has_avx512", lambda: False)   # torch's int4 kernel is slow without it
+    assert pick_decode_weights("auto", cpu, torch.float32) == "full"
+    assert pick_decode_weights("gguf4", cpu, torch.float32) == "gguf4"
+    monkeypatch.setattr(model, "cpu_has_avx512", lambda: True)
     assert pick_decode_weights("auto", cpu, torch.float64) == "full"   # the kernel has no fp64
     assert pick_decode_weights("auto", cuda, torch.bfloat16) == "full"
     assert pick_decode_weights("full", cpu, torch.float32) == "full"

@@ -29,7 +29,8 @@ OPENMP = ["-fopenmp"]
 _call_failed = False  # a refused call is logged once
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -60,7 +61,7 @@ class Native:
         with self._lock:
             if self._tried:
                 return self._op
-            missing = sorted(self.needs - _cpu_flags())
+            missing = sorted(self.needs - cpu_flags())
             if missing:  # expected on many CPUs: torch's path, nothing to warn about
                 log.info("%s not built: this CPU has no %s", self.source, ", ".join(missing))
                 self._tried = True
@@ -151,8 +152,8 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """x [rows <= 4, K] times the matrix scale * q (q int8 [N, K], scale fp32 [N, K / group], groups of a
-    multiple of 16) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight)."""
+    """x [rows <= 4, K] times the matrix scale * q (q int8 [N, K], scale fp32 [N, K / group], groups of 16
+    or 32) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight)."""
     op = GEMV_INT8.load()
     if op is None:
         return None

@@ -23,28 +23,42 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One 16-value chunk of row n into the accumulators of each of the ROWS input rows.
+template <int ROWS>
+inline void chunk_times(const float* x, const int8_t* qn, const float* sn, int64_t K, int64_t k, __m256 (&acc)[ROWS][2]) {
+  const __m256 s = _mm256_broadcast_ss(sn);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k));
+  const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  const __m256 w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc[r][1]);
+  }
+}
+
+// Output rows n0..n1. SETS independent accumulator sets take consecutive chunks, so that the FMAs of one row
+// do not wait on each other (an FMA's latency is 4-5 cycles): 4 sets for one input row, fewer for more rows,
+// which are independent already. `shift`: chunk -> its scale (0: groups of 16, 1: groups of 32).
 template <int ROWS>
 void rows_times(const float* x, const int8_t* q, const float* scale, float* y, int64_t K, int64_t N,
-                int64_t group, int64_t n0, int64_t n1) {
-  const int64_t groups = K / group;
+                int shift, int64_t n0, int64_t n1) {
+  constexpr int SETS = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
+  const int64_t chunks = K / 16, groups = K / (16 << shift);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qn = q + n * K;
     const float* sn = scale + n * groups;
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_broadcast_ss(sn + g);
-      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k));
-        const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-        const __m256 w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
-        for (int r = 0; r < ROWS; ++r) {
-          acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc[r]);
-          acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc[r]);
-        }
-      }
+    __m256 acc[SETS][ROWS][2];
+    for (int a = 0; a < SETS; ++a)
+      for (int r = 0; r < ROWS; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + SETS <= chunks; c += SETS)
+      for (int a = 0; a < SETS; ++a) chunk_times<ROWS>(x, qn, sn + ((c + a) >> shift), K, (c + a) * 16, acc[a]);
+    for (; c < chunks; ++c) chunk_times<ROWS>(x, qn, sn + (c >> shift), K, c * 16, acc[0]);
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 total = _mm256_add_ps(acc[0][r][0], acc[0][r][1]);
+      for (int a = 1; a < SETS; ++a) total = _mm256_add_ps(total, _mm256_add_ps(acc[a][r][0], acc[a][r][1]));
+      y[r * N + n] = sum8(total);
     }
-    for (int r = 0; r < ROWS; ++r) y[r * N + n] = sum8(acc[r]);
   }
 }
 
@@ -58,7 +72,8 @@ torch::Tensor gemv_int8_groups(torch::Tensor x, torch::Tensor q, torch::Tensor s
   TORCH_CHECK(q.size(1) == K && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0,
               "gemv_int8_groups: shapes");
   const int64_t group = K / scale.size(1);
-  TORCH_CHECK(group % 16 == 0, "gemv_int8_groups: groups of a multiple of 16 values");
+  TORCH_CHECK(group == 16 || group == 32, "gemv_int8_groups: groups of 16 or 32 values");
+  const int shift = group == 32 ? 1 : 0;
   auto y = torch::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -67,10 +82,10 @@ torch::Tensor gemv_int8_groups(torch::Tensor x, torch::Tensor q, torch::Tensor s
   // Grains of 64 output rows: enough work per task (64 x K bytes) that scheduling is noise.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     switch (rows) {
-      case 1: rows_times<1>(xp, qp, sp, yp, K, N, group, n0, n1); break;
-      case 2: rows_times<2>(xp, qp, sp, yp, K, N, group, n0, n1); break;
-      case 3: rows_times<3>(xp, qp, sp, yp, K, N, group, n0, n1); break;
-      default: rows_times<4>(xp, qp, sp, yp, K, N, group, n0, n1); break;
+      case 1: rows_times<1>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
+      case 2: rows_times<2>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
+      case 3: rows_times<3>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
+      default: rows_times<4>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
     }
   });
   return y;
