@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=os.environ.get("MARGINALIA_DEVICE"), help="cpu, cuda, … (default: auto)")
     p.add_argument("--dtype", default=os.environ.get("MARGINALIA_DTYPE"), help="fp32, bf16, fp16 (default: auto)")
     p.add_argument("--decode-weights", default=os.environ.get("MARGINALIA_DECODE_WEIGHTS"),
-                   help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: its 6- and 8-bit "
-                        "tensors too, as int8 (opt-in); full: the loaded "
+                   help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its 4-, 6- and "
+                        "8-bit tensors as the file holds them, through AVX2 kernels (opt-in); full: the loaded "
                         "weights only (default auto: gguf4 on a CPU) [env MARGINALIA_DECODE_WEIGHTS]")
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))

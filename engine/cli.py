@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
     read.add_argument("--decode-weights", choices=["auto", "gguf4", "gguf", "full"], default=None,
-                      help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: its 6- and "
-                           "8-bit tensors too, as int8 (opt-in); "
+                      help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its "
+                           "4-, 6- and 8-bit tensors as the file holds them, through AVX2 kernels (opt-in); "
                            "full: the loaded weights only [env MARGINALIA_DECODE_WEIGHTS; auto: gguf4 on a CPU]")
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")

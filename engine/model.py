@@ -440,8 +440,8 @@ DECODE_WEIGHTS = ("gguf4", "gguf", "full")
 
 
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `gguf`: those and its 6- and 8-bit
-    tensors as int8 (opt-in until its answers are measured); `full`: the loaded weights only. `auto`
+    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `gguf`: its 4-, 6- and 8-bit tensors
+    as the file holds them, through engine/kernels (AVX2; opt-in until its answers are measured); `full`: the loaded weights only. `auto`
     (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's
     types; a GPU has no use for the CPU kernel, and fp64 is there for exact comparisons). Without AVX-512 torch's
     int4 kernel made a decode step of the 1.5B 2.4x slower than the fp32 weights (1,698 against 712 ms, AMD EPYC
@@ -539,7 +539,7 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     decode = pick_decode_weights(decode_weights, dev, torch_dtype)
     if decode != "full" and source is not None:
         from .packed import add_decode_packs
-        packs = add_decode_packs(model, source, converted, int8=decode == "gguf") | {"choice": decode}
+        packs = add_decode_packs(model, source, converted, decode) | {"choice": decode}
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -44,7 +45,8 @@ _MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
 
 class _DecodeCopy(torch.nn.Linear):
     """A linear layer with its full weight (passes of many rows) and a second copy of the same values, in
-    buffers that are not saved with the model, for passes of few rows."""
+    buffers that are not saved with the model, for passes of at most DECODE_ROWS rows (`few_rows`; None there
+    means the full weight after all)."""
 
     def __init__(self, linear: torch.nn.Linear, **copy: torch.Tensor):
         torch.nn.Module.__init__(self)
@@ -53,40 +55,50 @@ class _DecodeCopy(torch.nn.Linear):
         for name, tensor in copy.items():
             self.register_buffer(name, tensor, persistent=False)
 
-
-class PackedLinear(_DecodeCopy):
-    """The second copy in 4-bit groups, for torch's int4 kernel."""
-
-    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_zeros: torch.Tensor):
-        super().__init__(linear, packed=packed, scales_zeros=scales_zeros)
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > DECODE_ROWS:
+        y = self.few_rows(x.reshape(rows, x.shape[-1])) if rows <= DECODE_ROWS else None
+        if y is None:
             return F.linear(x, self.weight, self.bias)
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class PackedLinear(_DecodeCopy):
+    """The second copy in 4-bit groups, for torch's int4 kernel (`gguf4`)."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_zeros: torch.Tensor):
+        super().__init__(linear, packed=packed, scales_zeros=scales_zeros)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+
+class Q4Linear(_DecodeCopy):
+    """The second copy as the file's 4-bit values, two a byte, with a scale and a low per group of 32, for
+    engine/kernels' gemv_q4 (`gguf`)."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
+        super().__init__(linear, packed=packed, scale=scale, low=low)
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        from .kernels import gemv_q4
+        return gemv_q4(x, self.packed, self.scale, self.low)
+
+
 class Int8Linear(_DecodeCopy):
-    """The second copy as int8 values with group scales, for engine/kernels' int8 kernel (the full weight where
-    that kernel is not there)."""
+    """The second copy as the file's int8 values with group scales, for engine/kernels' gemv_int8 (`gguf`)."""
 
     def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor):
         super().__init__(linear, q=q, scale=scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows <= DECODE_ROWS:
-            from .kernels import gemv_int8
-            y = gemv_int8(x.reshape(rows, x.shape[-1]), self.q, self.scale)
-            if y is not None:
-                if self.bias is not None:
-                    y = y + self.bias
-                return y.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        from .kernels import gemv_int8
+        return gemv_int8(x, self.q, self.scale)
 
 
 INT8_KINDS = {"Q6_K": 16, "Q8_0": 32}  # block type -> values per scale
@@ -145,7 +157,7 @@ def _llama_rows(rows: int, heads: int) -> np.ndarray:
 
 
 PACKS_SUFFIX = ".decode-gguf4.safetensors"
-INT8_PACKS_SUFFIX = ".decode-gguf8.safetensors"
+GGUF_PACKS_SUFFIX = ".decode-gguf.safetensors"
 
 
 def packs_path(folder: Path, suffix: str = PACKS_SUFFIX) -> Path:
@@ -166,37 +178,38 @@ def _packs_file(path: Path, build) -> dict[str, torch.Tensor]:
     return packs
 
 
-def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, int8: bool = False) -> dict:
-    """Give each linear layer of `model` whose GGUF tensor is 4-bit its packs (PackedLinear) and, with `int8`,
-    each whose tensor is Q6_K or Q8_0 (the output matrix too) its int8 values (Int8Linear). The packs are built
-    once, beside the model's converted folder (reading the GGUF's header alone takes ~18 s for the 1.5B's
-    151k-token vocabulary), and loaded from there afterwards. Returns: matrices packed, their bytes."""
+def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, choice: str = "gguf4") -> dict:
+    """Give `model`'s linear layers a decode copy of their GGUF tensors. `gguf4`: each 4-bit one its packs for
+    torch's int4 kernel (PackedLinear). `gguf`: each 4-, 6- or 8-bit one, the output matrix too, the file's own
+    values for engine/kernels (Q4Linear, Int8Linear). The copies are built once, beside the model's converted
+    folder (reading the GGUF's header alone takes ~18 s for the 1.5B's 151k-token vocabulary), and loaded from
+    there afterwards. Returns: matrices packed, their bytes."""
     modules = dict(model.named_modules())
     packed = nbytes = 0
-
-    def replace(name: str, layer: torch.nn.Module, *tensors: torch.Tensor) -> None:
-        nonlocal packed, nbytes
+    if choice == "gguf4":
+        packs = _packs_file(packs_path(folder), lambda: build_packs(model, gguf))
+        layers = {name: PackedLinear(modules[name], pack, packs[f"{name}.scales_zeros"].to(modules[name].weight.dtype))
+                  for name, pack in _named(packs, "packed", modules)}
+    else:
+        packs = _packs_file(packs_path(folder, GGUF_PACKS_SUFFIX), lambda: build_gguf_packs(model, gguf))
+        layers = {name: Q4Linear(modules[name], pack, packs[f"{name}.q4_scale"], packs[f"{name}.q4_low"])
+                  for name, pack in _named(packs, "q4", modules)}
+        layers |= {name: Int8Linear(modules[name], q, packs[f"{name}.q8_scale"])
+                   for name, q in _named(packs, "q8", modules)}
+    for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
         packed += 1
-        nbytes += sum(t.numel() * t.element_size() for t in tensors)
-
-    packs = _packs_file(packs_path(folder), lambda: build_packs(model, gguf))
-    for key, pack in packs.items():
-        name, _, what = key.rpartition(".")
-        linear = modules.get(name)
-        if what == "packed" and isinstance(linear, torch.nn.Linear):
-            scales_zeros = packs[f"{name}.scales_zeros"].to(linear.weight.dtype)
-            replace(name, PackedLinear(linear, pack, scales_zeros), pack, scales_zeros)
-    if int8:
-        packs = _packs_file(packs_path(folder, INT8_PACKS_SUFFIX), lambda: build_int8_packs(model, gguf))
-        for key, q in packs.items():
-            name, _, what = key.rpartition(".")
-            linear = modules.get(name)
-            if what == "q" and isinstance(linear, torch.nn.Linear):
-                scale = packs[f"{name}.scale"]
-                replace(name, Int8Linear(linear, q, scale), q, scale)
+        nbytes += sum(b.numel() * b.element_size() for b in layer.buffers())
     return {"packed": packed, "bytes": nbytes}
+
+
+def _named(packs: dict[str, torch.Tensor], what: str, modules: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(module name, tensor) for the packs' `{module}.{what}` entries whose module is a linear layer here."""
+    for key, tensor in packs.items():
+        name, _, kind = key.rpartition(".")
+        if kind == what and isinstance(modules.get(name), torch.nn.Linear):
+            yield name, tensor
 
 
 def build_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
@@ -218,19 +231,30 @@ def build_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
     return packs
 
 
-def build_int8_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
-    """`{module}.q` (int8 [rows, cols]) and `{module}.scale` (fp32 [rows, cols / group]) for every linear layer,
-    the output matrix included, whose GGUF tensor is Q6_K or Q8_0 and matches the loaded weight."""
+def build_gguf_packs(model: torch.nn.Module, gguf: Path) -> dict[str, torch.Tensor]:
+    """For every linear layer, the output matrix included, whose GGUF tensor matches the loaded weight: a 4-bit
+    one's `{module}.q4` (uint8 [rows, cols / 2], two values a byte as gemv_q4 reads them), `.q4_scale` and
+    `.q4_low` (fp32 [rows, cols / 32]); a Q6_K or Q8_0 one's `{module}.q8` (int8 [rows, cols]) and `.q8_scale`."""
     packs = {}
-    for name, linear, kind, blocks, order in _linear_tensors(model, gguf, tuple(INT8_KINDS)):
-        q, scale = int8_groups_of(kind, blocks)
+    for name, linear, kind, blocks, order in _linear_tensors(model, gguf, ("Q4_0", "Q4_1", "Q4_K", *INT8_KINDS)):
+        if kind in INT8_KINDS:
+            q, scale = int8_groups_of(kind, blocks)
+            low, group = None, INT8_KINDS[kind]
+        else:
+            (q, scale, low), group = groups_of(kind, blocks), GROUP
         if order is not None:
-            q, scale = q[order], scale[order]
-        if not _matches(linear.weight, q, scale, None, INT8_KINDS[kind]):
+            q, scale, low = q[order], scale[order], None if low is None else low[order]
+        if not _matches(linear.weight, q, scale, low, group):
             log.warning("%s: the GGUF's %s values do not match the loaded weight; left unpacked", name, kind)
             continue
-        packs[f"{name}.q"] = torch.from_numpy(np.ascontiguousarray(q))
-        packs[f"{name}.scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+        if low is None:
+            packs[f"{name}.q8"] = torch.from_numpy(np.ascontiguousarray(q))
+            packs[f"{name}.q8_scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+        else:
+            halves = q.astype(np.uint8).reshape(q.shape[0], -1, 2, 16)  # byte j: value j, and value j + 16 above it
+            packs[f"{name}.q4"] = torch.from_numpy((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(q.shape[0], -1))
+            packs[f"{name}.q4_scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+            packs[f"{name}.q4_low"] = torch.from_numpy(np.ascontiguousarray(low))
     return packs
 
 

@@ -13,8 +13,8 @@ from engine import packed
 from engine.generate import Runner
 from engine.model import embedded_gguf, load_model, pick_decode_weights
 from engine import kernels
-from engine.packed import (GROUP, INT8_KINDS, Int8Linear, PackedLinear, add_decode_packs, build_packs, groups_of,
-                           int8_groups_of)
+from engine.packed import (GROUP, INT8_KINDS, Int8Linear, PackedLinear, Q4Linear, add_decode_packs, build_packs,
+                           groups_of, int8_groups_of)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
@@ -71,10 +71,10 @@ def test_int8_groups_are_the_files_values(kind):
     np.testing.assert_array_equal(got, expected)
 
 
-needs_int8_kernel = pytest.mark.skipif(kernels.GEMV_INT8.load() is None, reason="int8 kernel unavailable (AVX2)")
+needs_gemv = pytest.mark.skipif(kernels.GEMV.load() is None, reason="gemv_gguf kernels unavailable (no AVX2)")
 
 
-@needs_int8_kernel
+@needs_gemv
 @pytest.mark.parametrize("group", [16, 32])
 def test_the_int8_kernel_is_a_matmul_of_the_same_values(group):
     """1-4 rows times scale * q: a matmul of the de-quantized matrix up to the order of fp32 sums; bf16 rows
@@ -94,20 +94,44 @@ def test_the_int8_kernel_is_a_matmul_of_the_same_values(group):
     assert kernels.gemv_int8(torch.randn(1, 768), q, torch.rand(1000, 96)) is None  # groups of 8
 
 
-@needs_int8_kernel
-def test_int8_packs_give_the_same_tokens():
-    """`gguf`: the 135M's Q8_0 embedding, tied to its output matrix, is also kept as int8, and 32 greedy steps
-    give the same tokens as `gguf4`, with logits within 1e-3 (fp32: the same values, other sums)."""
-    both = [load_model("embedded", "cpu", "fp32", decode_weights=w) for w in ("gguf4", "gguf")]
+@needs_gemv
+def test_the_q4_kernel_is_a_matmul_of_the_same_values():
+    """1-4 rows times scale * q + low, q two a byte (value j low, value j + 16 high in a group's byte j): a
+    matmul of the de-quantized matrix up to the order of fp32 sums."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (1000, 768), dtype=torch.uint8)
+    scale, low = torch.rand(1000, 24) * 0.01, torch.randn(1000, 24) * 0.05
+    halves = q.reshape(1000, 24, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(1000, 384)
+    weight = (q.float().reshape(1000, 24, 32) * scale[..., None] + low[..., None]).reshape(1000, 768)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 768)
+        exact = x.double() @ weight.double().T
+        got = kernels.gemv_q4(x, packed, scale, low)
+        assert got.shape == (rows, 1000)
+        assert (got.double() - exact).abs().max() <= 4 * (x @ weight.T - exact).abs().max() + 1e-6
+    assert kernels.gemv_q4(torch.randn(1, 760), packed, scale, low) is None  # K not the matrix's
+
+
+@needs_gemv
+def test_gguf_decode_copies_give_the_same_tokens():
+    """`gguf`: the 135M's Q4_1 matrices go to gemv_q4 and its Q8_0 embedding, tied to the output matrix, to
+    gemv_int8; 32 greedy steps give the same tokens as the full weights, logits within 5e-3 (fp32: the same values,
+    other sums; 3.4e-3 measured over the 32 steps, logits up to ~27, where torch's int4 kernel gave 1.4e-3)."""
+    both = [load_model("embedded", "cpu", "fp32", decode_weights=w) for w in ("full", "gguf")]
     head = both[1].model.lm_head
     assert isinstance(head, Int8Linear) and head.weight is both[1].model.model.embed_tokens.weight
-    assert both[1].packs["packed"] == both[0].packs["packed"] + 1 and "8-bit" in both[1].info["decode_weights"]
+    layers = both[1].model.config.num_hidden_layers
+    assert sum(isinstance(m, Q4Linear) for m in both[1].model.modules()) == 7 * layers
+    assert not any(isinstance(m, PackedLinear) for m in both[1].model.modules())
+    assert both[1].packs["packed"] == 7 * layers + 1 and "8-bit" in both[1].info["decode_weights"]
+    assert both[0].packs is None
     prompt = both[0].tokenizer("It was the best of times, it was the worst of times, it was the age of wisdom, "
                                "it was the age of foolishness").input_ids
     runs = [greedy_steps(lm, prompt) for lm in both]
     assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
     worst = max((a - b).abs().max().item() for (_, a), (_, b) in zip(*runs))
-    assert 0 < worst < 1e-3  # not 0: the head's kernel ran
+    assert 0 < worst < 5e-3  # not 0: the head's kernel ran
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ output [1, q, heads, dim], or None where the kernel is unavailable (no avx512_bf
 failed build) or the call is outside what it handles (not bf16, batch > 1, head_dim not a multiple of 64, a
 non-boolean mask), so a caller can always fall back to its own path.
 
-`gemv_int8()` is gemv_int8.cpp (AVX2 + FMA CPUs): a decode step's few rows times a matrix kept as the GGUF's
-int8 values and group scales (engine/packed.py's 6- and 8-bit packs), or None likewise.
+`gemv_int8()` and `gemv_q4()` are gemv_gguf.cpp (AVX2 + FMA CPUs): a decode step's few rows times a matrix kept
+as the GGUF's own values and group scales (engine/packed.py's `gguf` packs), or None likewise.
 
 The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
 ~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
@@ -87,7 +87,9 @@ class Native:
 ATTENTION = Native("attention_bf16.cpp", "marginalia::flash_attention_bf16",
                    ["-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
                    {"avx512_bf16", "avx512bw", "avx512vl"})
-GEMV_INT8 = Native("gemv_int8.cpp", "marginalia_int8::gemv_int8_groups", ["-mavx2", "-mfma"], {"avx2", "fma"})
+# -ffp-contract=off: a weight is rebuilt as a product then a sum, as gguf-py de-quantizes it, not as one FMA.
+GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups", ["-mavx2", "-mfma", "-ffp-contract=off"],
+              {"avx2", "fma"})
 
 
 def load():
@@ -154,14 +156,23 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [rows <= 4, K] times the matrix scale * q (q int8 [N, K], scale fp32 [N, K / group], groups of 16
     or 32) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight)."""
-    op = GEMV_INT8.load()
-    if op is None:
+    return _gemv("gemv_int8_groups", x, q, scale)
+
+
+def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor | None:
+    """x [rows <= 4, K] times the matrix scale * q + low (q 0..15, two a byte: packed uint8 [N, K / 2]; scale,
+    low fp32 [N, K / 32]) -> [rows, N] in x's dtype, or None likewise."""
+    return _gemv("gemv_q4_groups", x, packed, scale, low)
+
+
+def _gemv(name: str, x: torch.Tensor, *matrix: torch.Tensor) -> torch.Tensor | None:
+    if GEMV.load() is None:
         return None
     try:
-        return op(x.float().contiguous(), q, scale).to(x.dtype)
+        return getattr(torch.ops.marginalia_gemv, name)(x.float().contiguous(), *matrix).to(x.dtype)
     except RuntimeError as error:
         global _call_failed
         if not _call_failed:
-            log.warning("int8 kernel refused a call, using the full weight: %s", str(error).splitlines()[0])
+            log.warning("%s refused a call, using the full weight: %s", name, str(error).splitlines()[0])
             _call_failed = True
         return None
