@@ -65,6 +65,17 @@ def test_prefill_quick(tmp_path):
     assert "| 640 |" in (tmp_path / "prefill_embedded.md").read_text()
 
 
+def test_decode_kernels_quick(tmp_path):
+    """The `gguf` decode copies against the full weights, the four ways in one process (the 135M, short)."""
+    from bench import decode_kernels
+    assert decode_kernels.main(["--model", "embedded", "--reps", "1", "--context", "64", "--threads", "1",
+                                "--out", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("decode_kernels_*.json")).read_text())
+    assert [r["way"] for r in data["rows"]] == list(decode_kernels.WAYS)
+    assert data["rows"][0]["ratio"] == 1.0 and all(r["ms"] > 0 for r in data["rows"])
+    assert data["meta"]["packs"]["choice"] == "gguf"
+
+
 def test_heap_quick(tmp_path):
     shared("books", "pg84.txt")
     done = _run("bench.heap", tmp_path)

@@ -1,0 +1,71 @@
+"""`python -m bench.decode_kernels [--model qwen2.5-1.5b] [--threads 2]`: one decode step with the `gguf` decode
+copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
+weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step four ways in turn
+(full weights; the 4-bit copies only; the 6- and 8-bit copies only; both), at the context a 512-token prefill
+left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .common import RESULTS, cpu_name, load_engine, md_table, median, prose, write_results
+
+WAYS = {"full weights": (False, False), "4-bit copies": (True, False), "6- and 8-bit copies": (False, True),
+        "all copies (gguf)": (True, True)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-1.5b")
+    parser.add_argument("--dtype", default=None, help="default: the engine's choice (fp32 without bf16 units)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from engine import packed
+    torch.set_num_threads(args.threads)
+    lm = load_engine("cpu", args.dtype, args.model, decode_weights="gguf").lm
+    ids = lm.tokenizer(prose(lm.tokenizer, args.context + 100), add_special_tokens=False)["input_ids"]
+    ids = ids[:args.context]
+    runner = lm.runner()
+    cache = runner.new_cache(args.context + 8)
+    runner.prefill(ids, cache)
+    kernels = {packed.Q4Linear: packed.Q4Linear.few_rows, packed.Int8Linear: packed.Int8Linear.few_rows}
+    times = {way: [] for way in WAYS}
+    try:
+        for rep in range(args.reps + 1):  # the first round warms up
+            for way, (q4, q8) in WAYS.items():
+                packed.Q4Linear.few_rows = kernels[packed.Q4Linear] if q4 else (lambda self, x: None)
+                packed.Int8Linear.few_rows = kernels[packed.Int8Linear] if q8 else (lambda self, x: None)
+                t = time.perf_counter()
+                runner.forward([ids[-1]], cache)
+                if rep:
+                    times[way].append(time.perf_counter() - t)
+                cache.truncate(args.context)
+    finally:
+        packed.Q4Linear.few_rows, packed.Int8Linear.few_rows = kernels.values()
+    full = median(times["full weights"])
+    rows = [{"way": way, "ms": median(t) * 1e3, "tok_s": 1 / median(t), "ratio": median(t) / full}
+            for way, t in times.items()]
+    dtype = str(lm.dtype).removeprefix("torch.")
+    meta = {"model": lm.name, "dtype": dtype, "threads": args.threads, "cpu": cpu_name(), "reps": args.reps,
+            "context": args.context, "packs": lm.packs}
+    table = md_table(["decode step with", "ms", "tok/s", "time / full weights"],
+                     [[r["way"], f"{r['ms']:.0f}", f"{r['tok_s']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
+    text = (f"# Decode steps on the GGUF's own values\n\n{lm.name}, {dtype}, {args.threads} thread(s), {meta['cpu']}; "
+            f"one step at {args.context} tokens of context, medians of {args.reps}, the four ways in turn in one "
+            f"process.\n\n{table}\n")
+    slug = lm.name.split()[0].lower()
+    paths = write_results(args.out, f"decode_kernels_{slug}_{dtype}_{args.threads}t", {"meta": meta, "rows": rows}, text)
+    print(text)
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
