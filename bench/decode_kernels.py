@@ -61,7 +61,8 @@ def main(argv=None) -> int:
             f"one step at {args.context} tokens of context, medians of {args.reps}, the four ways in turn in one "
             f"process.\n\n{table}\n")
     slug = lm.name.split()[0].lower()
-    paths = write_results(args.out, f"decode_kernels_{slug}_{dtype}_{args.threads}t", {"meta": meta, "rows": rows}, text)
+    name = f"decode_kernels_{slug}_{dtype}_{args.threads}t"
+    paths = write_results(args.out, name, {"meta": meta, "rows": rows}, text)
     print(text)
     print("wrote", *paths)
     return 0

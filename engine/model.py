@@ -440,12 +440,12 @@ DECODE_WEIGHTS = ("gguf4", "gguf", "full")
 
 
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`gguf4`: decode steps read the GGUF's 4-bit blocks (engine/packed.py); `gguf`: its 4-, 6- and 8-bit tensors
-    as the file holds them, through engine/kernels (AVX2; opt-in until its answers are measured); `full`: the loaded weights only. `auto`
-    (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's
-    types; a GPU has no use for the CPU kernel, and fp64 is there for exact comparisons). Without AVX-512 torch's
-    int4 kernel made a decode step of the 1.5B 2.4x slower than the fp32 weights (1,698 against 712 ms, AMD EPYC
-    with AVX2 only), so `full` there."""
+    """`gguf4`: decode steps read the GGUF's 4-bit blocks through torch's int4 kernel (engine/packed.py); `gguf`:
+    its 4-, 6- and 8-bit tensors as the file holds them, through engine/kernels (AVX2; opt-in until its answers
+    are measured); `full`: the loaded weights only. `auto` (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a
+    CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's types; a GPU has no use for the CPU kernel, and fp64 is
+    there for exact comparisons). Without AVX-512 torch's int4 kernel made the 1.5B's decode slower than the fp32
+    weights (0.6 against 1.1 tok/s, AMD EPYC with AVX2 only, bench/results/llamacpp-avx2/), so `full` there."""
     choice = choice or os.environ.get("MARGINALIA_DECODE_WEIGHTS") or "auto"
     if choice == "auto":
         fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_has_avx512()
