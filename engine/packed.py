@@ -15,10 +15,11 @@ matrix is checked against the weight transformers de-quantized from the same fil
 rounding) when the packs are built, once per converted model (kept beside its folder); a matrix that is not
 (another architecture's row order, other values) stays unpacked.
 Q6_K and Q8_0 tensors (the 1.5B's output matrix and half its value and down projections) stay unpacked in
-`gguf4`. With `gguf` they are kept too, as the file's int8 values and one fp32 scale per group (Q6_K: 16 values,
-scale d * sub-scale, values q - 32; Q8_0: 32, scale d) for engine/kernels' AVX2 kernel: 1.25 and 1.125 bytes a
-value against fp32's 4 (on a CPU without bf16 matrix units the full weights are fp32, and these tensors are 70%
-of what a decode step of the 1.5B reads there). Checked against the loaded weight the same way.
+`gguf4`. `gguf` keeps every 4-, 6- and 8-bit tensor, the output matrix included, for engine/kernels' AVX2
+kernels instead of torch's: 4-bit values two a byte with an fp32 scale and low per 32 (Q4Linear), and Q6_K and
+Q8_0 as int8 with one fp32 scale per group (Q6_K: 16 values, scale d * sub-scale, values q - 32; Q8_0: 32, scale
+d; Int8Linear), 0.75, 1.25 and 1.125 bytes a value against fp32's 4 (on a CPU without bf16 matrix units the full
+weights are fp32). Checked against the loaded weight the same way.
 """
 from __future__ import annotations
 
