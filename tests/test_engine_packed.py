@@ -45,7 +45,7 @@ def greedy_steps(lm, prompt: list[int], steps: int = 32) -> list[tuple[int, torc
     for _ in range(steps):
         token = int(logits.argmax())
         out.append((token, logits.float()))
-        logits = runner.forward([token], cache)[-1]
+        logits = runner.forward([token], cache)  # the last position's logits, [vocab]
     return out
 
 
