@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     on_space = bool(os.environ.get("SPACE_ID"))
     p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
-    from engine.model import default_model
+    from engine.model import DECODE_WEIGHTS_HELP, default_model
 
     p.add_argument("--model",
                    default=os.environ.get("MARGINALIA_MODEL") or (space_model() if on_space else default_model()),
@@ -78,10 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "[env MARGINALIA_DATA, default: data/ beside app.py]")
     p.add_argument("--device", default=os.environ.get("MARGINALIA_DEVICE"), help="cpu, cuda, … (default: auto)")
     p.add_argument("--dtype", default=os.environ.get("MARGINALIA_DTYPE"), help="fp32, bf16, fp16 (default: auto)")
-    p.add_argument("--decode-weights", default=os.environ.get("MARGINALIA_DECODE_WEIGHTS"),
-                   help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its 4-, 6- and "
-                        "8-bit tensors as the file holds them, through AVX2 kernels (opt-in); full: the loaded "
-                        "weights only (default auto: gguf4 on a CPU) [env MARGINALIA_DECODE_WEIGHTS]")
+    p.add_argument("--decode-weights", default=os.environ.get("MARGINALIA_DECODE_WEIGHTS"), help=DECODE_WEIGHTS_HELP)
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))

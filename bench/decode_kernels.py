@@ -1,8 +1,8 @@
 """`python -m bench.decode_kernels [--model qwen2.5-1.5b] [--threads 2]`: one decode step with the `gguf` decode
 copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
-weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step four ways in turn
-(full weights; the 4-bit copies only; the 6- and 8-bit copies only; both), at the context a 512-token prefill
-left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
+weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step five ways in turn
+(full weights; the 4-bit copies only; the 6- and 8-bit copies only; both; both with the inputs rounded to int8
+blocks, `gguf-q8`), at the context a 512-token prefill left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
 """
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 
 from .common import RESULTS, cpu_name, load_engine, md_table, median, prose, write_results
 
-WAYS = {"full weights": (False, False), "4-bit copies": (True, False), "6- and 8-bit copies": (False, True),
-        "all copies (gguf)": (True, True)}
+# way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8)
+WAYS = {"full weights": (False, False, False), "4-bit copies": (True, False, False),
+        "6- and 8-bit copies": (False, True, False), "all copies (gguf)": (True, True, False),
+        "all copies, int8 inputs (gguf-q8)": (True, True, True)}
 
 
 def main(argv=None) -> int:
@@ -36,12 +38,19 @@ def main(argv=None) -> int:
     cache = runner.new_cache(args.context + 8)
     runner.prefill(ids, cache)
     kernels = {packed.Q4Linear: packed.Q4Linear.few_rows, packed.Int8Linear: packed.Int8Linear.few_rows}
+    copies = [m for m in lm.model.modules() if isinstance(m, (packed.Q4Linear, packed.Int8Linear))]
+    # gguf-q8's kernels read the scales and lows in fp16: both versions are kept, and each way takes its own
+    scales = {round_x: [{k: (v.half() if round_x else v) for k, v in m._buffers.items() if k in ("scale", "low")}
+                        for m in copies] for round_x in (False, True)}
     times = {way: [] for way in WAYS}
     try:
         for rep in range(args.reps + 1):  # the first round warms up
-            for way, (q4, q8) in WAYS.items():
+            for way, (q4, q8, round_x) in WAYS.items():
                 packed.Q4Linear.few_rows = kernels[packed.Q4Linear] if q4 else (lambda self, x: None)
                 packed.Int8Linear.few_rows = kernels[packed.Int8Linear] if q8 else (lambda self, x: None)
+                for copy, buffers in zip(copies, scales[round_x]):
+                    copy.round_x = round_x
+                    copy._buffers.update(buffers)
                 t = time.perf_counter()
                 runner.forward([ids[-1]], cache)
                 if rep:
@@ -49,6 +58,9 @@ def main(argv=None) -> int:
                 cache.truncate(args.context)
     finally:
         packed.Q4Linear.few_rows, packed.Int8Linear.few_rows = kernels.values()
+        for copy, buffers in zip(copies, scales[False]):
+            copy.round_x = False
+            copy._buffers.update(buffers)
     full = median(times["full weights"])
     rows = [{"way": way, "ms": median(t) * 1e3, "tok_s": 1 / median(t), "ratio": median(t) / full}
             for way, t in times.items()]
@@ -58,7 +70,7 @@ def main(argv=None) -> int:
     table = md_table(["decode step with", "ms", "tok/s", "time / full weights"],
                      [[r["way"], f"{r['ms']:.0f}", f"{r['tok_s']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
     text = (f"# Decode steps on the GGUF's own values\n\n{lm.name}, {dtype}, {args.threads} thread(s), {meta['cpu']}; "
-            f"one step at {args.context} tokens of context, medians of {args.reps}, the four ways in turn in one "
+            f"one step at {args.context} tokens of context, medians of {args.reps}, the five ways in turn in one "
             f"process.\n\n{table}\n")
     slug = lm.name.split()[0].lower()
     name = f"decode_kernels_{slug}_{dtype}_{args.threads}t"

@@ -62,7 +62,8 @@ def measure(spec: str, decode_weights: str, args, log) -> dict:
     lm = engine.lm
     runner = lm.runner()
     gguf = gguf_of(spec)
-    blocks = {"gguf4": "4-bit", "gguf": "4-, 6- and 8-bit"}.get(lm.packs.get("choice")) if lm.packs else None
+    blocks = {"gguf4": "4-bit", "gguf": "4-, 6- and 8-bit", "gguf-q8": "4-, 6- and 8-bit (int8 inputs)"}.get(
+        lm.packs.get("choice")) if lm.packs else None
     ours_in = str(lm.dtype).removeprefix("torch.") + (f", decode on the GGUF's {blocks} blocks" if blocks else "")
     log(f"{lm.name}: ours {ours_in}, llama.cpp on {gguf.name}")
     worker = LlamaWorker(gguf, args.prompt + args.steps + 16, args.threads,

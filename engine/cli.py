@@ -21,7 +21,7 @@ from pathlib import Path
 from .classify import CLASSIFIERS
 from .documents import IngestError, load_document
 from .margins import MARGIN_STYLES
-from .model import default_model
+from .model import DECODE_WEIGHTS, DECODE_WEIGHTS_HELP, default_model
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
@@ -84,10 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="past the context window: a new window carrying the margins, or a sliding cache")
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
-    read.add_argument("--decode-weights", choices=["auto", "gguf4", "gguf", "full"], default=None,
-                      help="gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its "
-                           "4-, 6- and 8-bit tensors as the file holds them, through AVX2 kernels (opt-in); "
-                           "full: the loaded weights only [env MARGINALIA_DECODE_WEIGHTS; auto: gguf4 on a CPU]")
+    read.add_argument("--decode-weights", choices=["auto", *DECODE_WEIGHTS], default=None, help=DECODE_WEIGHTS_HELP)
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")

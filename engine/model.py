@@ -77,7 +77,8 @@ class LoadedModel:
             "load_seconds": round(self.load_seconds, 2),
             "spec": self.spec,
             "decode_weights": (f"GGUF {'4-bit' if self.packs.get('choice') == 'gguf4' else '4-, 6- and 8-bit'} "
-                               f"blocks for {self.packs['packed']} matrices "
+                               f"blocks for {self.packs['packed']} matrices"
+                               f"{', int8 inputs' if self.packs.get('choice') == 'gguf-q8' else ''} "
                                f"({self.packs['bytes'] / 2**20:,.0f} MiB)" if self.packs and self.packs["packed"]
                                else "full"),
         }
@@ -436,16 +437,22 @@ def gguf_file(spec: str) -> Path | None:
     return Path(spec).expanduser() if spec.lower().endswith(".gguf") else None
 
 
-DECODE_WEIGHTS = ("gguf4", "gguf", "full")
+DECODE_WEIGHTS = ("gguf4", "gguf", "gguf-q8", "full")
+DECODE_WEIGHTS_HELP = ("gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its 4-, 6- and "
+                       "8-bit tensors as the file holds them, through AVX2 kernels (opt-in); gguf-q8: the same with "
+                       "each step's inputs rounded to int8 blocks, as llama.cpp does (opt-in); full: the loaded weights "
+                       "only [env MARGINALIA_DECODE_WEIGHTS; auto: gguf4 on a CPU with AVX-512]")
 
 
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
     """`gguf4`: decode steps read the GGUF's 4-bit blocks through torch's int4 kernel (engine/packed.py); `gguf`:
     its 4-, 6- and 8-bit tensors as the file holds them, through engine/kernels (AVX2; opt-in until its answers
-    are measured); `full`: the loaded weights only. `auto` (MARGINALIA_DECODE_WEIGHTS, else `auto`): `gguf4` on a
-    CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's types; a GPU has no use for the CPU kernel, and fp64 is
-    there for exact comparisons). Without AVX-512 torch's int4 kernel made the 1.5B's decode slower than the fp32
-    weights (0.6 against 1.1 tok/s, AMD EPYC with AVX2 only, bench/results/llamacpp-avx2/), so `full` there."""
+    are measured); `gguf-q8`: the same, each step's inputs rounded to int8 blocks as llama.cpp rounds them
+    (integer dot products; opt-in likewise); `full`: the loaded weights only. `auto` (MARGINALIA_DECODE_WEIGHTS,
+    else `auto`): `gguf4` on a CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's types; a GPU has no use for
+    the CPU kernel, and fp64 is there for exact comparisons). Without AVX-512 torch's int4 kernel made the 1.5B's
+    decode slower than the fp32 weights (0.6 against 1.1 tok/s, AMD EPYC with AVX2 only,
+    bench/results/llamacpp-avx2/), so `full` there."""
     choice = choice or os.environ.get("MARGINALIA_DECODE_WEIGHTS") or "auto"
     if choice == "auto":
         fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_has_avx512()

@@ -81,25 +81,32 @@ class PackedLinear(_DecodeCopy):
 
 class Q4Linear(_DecodeCopy):
     """The second copy as the file's 4-bit values, two a byte, with a scale and a low per group of 32, for
-    engine/kernels' gemv_q4 (`gguf`)."""
+    engine/kernels' gemv_q4 (`gguf`; round_x: the input rounded to int8 blocks first and the scales and lows
+    kept in fp16, `gguf-q8`)."""
 
-    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                 round_x: bool = False):
+        if round_x:  # its kernel reads them in fp16
+            scale, low = scale.half(), low.half()
         super().__init__(linear, packed=packed, scale=scale, low=low)
+        self.round_x = round_x
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         from .kernels import gemv_q4
-        return gemv_q4(x, self.packed, self.scale, self.low)
+        return gemv_q4(x, self.packed, self.scale, self.low, self.round_x)
 
 
 class Int8Linear(_DecodeCopy):
-    """The second copy as the file's int8 values with group scales, for engine/kernels' gemv_int8 (`gguf`)."""
+    """The second copy as the file's int8 values with group scales, for engine/kernels' gemv_int8 (`gguf`,
+    `gguf-q8` as Q4Linear's)."""
 
-    def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor):
-        super().__init__(linear, q=q, scale=scale)
+    def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, round_x: bool = False):
+        super().__init__(linear, q=q, scale=scale.half() if round_x else scale)
+        self.round_x = round_x
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         from .kernels import gemv_int8
-        return gemv_int8(x, self.q, self.scale)
+        return gemv_int8(x, self.q, self.scale, self.round_x)
 
 
 INT8_KINDS = {"Q6_K": 16, "Q8_0": 32}  # block type -> values per scale
@@ -182,7 +189,8 @@ def _packs_file(path: Path, build) -> dict[str, torch.Tensor]:
 def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, choice: str = "gguf4") -> dict:
     """Give `model`'s linear layers a decode copy of their GGUF tensors. `gguf4`: each 4-bit one its packs for
     torch's int4 kernel (PackedLinear). `gguf`: each 4-, 6- or 8-bit one, the output matrix too, the file's own
-    values for engine/kernels (Q4Linear, Int8Linear). The copies are built once, beside the model's converted
+    values for engine/kernels (Q4Linear, Int8Linear); `gguf-q8`: the same copies, the input rows rounded to int8
+    blocks as llama.cpp rounds them (integer dot products). The copies are built once, beside the model's converted
     folder (reading the GGUF's header alone takes ~18 s for the 1.5B's 151k-token vocabulary), and loaded from
     there afterwards. Returns: matrices packed, their bytes."""
     modules = dict(model.named_modules())
@@ -193,9 +201,10 @@ def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, choice: s
                   for name, pack in _named(packs, "packed", modules)}
     else:
         packs = _packs_file(packs_path(folder, GGUF_PACKS_SUFFIX), lambda: build_gguf_packs(model, gguf))
-        layers = {name: Q4Linear(modules[name], pack, packs[f"{name}.q4_scale"], packs[f"{name}.q4_low"])
+        round_x = choice == "gguf-q8"
+        layers = {name: Q4Linear(modules[name], pack, packs[f"{name}.q4_scale"], packs[f"{name}.q4_low"], round_x)
                   for name, pack in _named(packs, "q4", modules)}
-        layers |= {name: Int8Linear(modules[name], q, packs[f"{name}.q8_scale"])
+        layers |= {name: Int8Linear(modules[name], q, packs[f"{name}.q8_scale"], round_x)
                    for name, q in _named(packs, "q8", modules)}
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")

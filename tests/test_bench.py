@@ -66,7 +66,8 @@ def test_prefill_quick(tmp_path):
 
 
 def test_decode_kernels_quick(tmp_path):
-    """The `gguf` decode copies against the full weights, the four ways in one process (the 135M, short)."""
+    """The `gguf` decode copies against the full weights, the five ways in one process (the 135M, short); the
+    int8-input way runs its own kernels (fp16 scales), and the copies are left as loaded."""
     from bench import decode_kernels
     assert decode_kernels.main(["--model", "embedded", "--reps", "1", "--context", "64", "--threads", "1",
                                 "--out", str(tmp_path)]) == 0

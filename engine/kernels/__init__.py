@@ -6,7 +6,8 @@ failed build) or the call is outside what it handles (not bf16, batch > 1, head_
 non-boolean mask), so a caller can always fall back to its own path.
 
 `gemv_int8()` and `gemv_q4()` are gemv_gguf.cpp (AVX2 + FMA CPUs): a decode step's few rows times a matrix kept
-as the GGUF's own values and group scales (engine/packed.py's `gguf` packs), or None likewise.
+as the GGUF's own values and group scales (engine/packed.py's `gguf` packs), with the rows in fp32 or rounded
+to int8 blocks as llama.cpp rounds them (`gguf-q8`), or None likewise.
 
 The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
 ~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
@@ -88,8 +89,8 @@ ATTENTION = Native("attention_bf16.cpp", "marginalia::flash_attention_bf16",
                    ["-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
                    {"avx512_bf16", "avx512bw", "avx512vl"})
 # -ffp-contract=off: a weight is rebuilt as a product then a sum, as gguf-py de-quantizes it, not as one FMA.
-GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups", ["-mavx2", "-mfma", "-ffp-contract=off"],
-              {"avx2", "fma"})
+GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups",
+              ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], {"avx2", "fma", "f16c"})
 
 
 def load():
@@ -153,16 +154,20 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 
-def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, round_x: bool = False) -> torch.Tensor | None:
     """x [rows <= 4, K] times the matrix scale * q (q int8 [N, K], scale fp32 [N, K / group], groups of 16
-    or 32) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight)."""
-    return _gemv("gemv_int8_groups", x, q, scale)
+    or 32) -> [rows, N] in x's dtype, or None (unavailable or refused: use the full weight). round_x: x's rows
+    rounded to int8 in blocks of 32 first (llama.cpp's Q8_0 activations; integer dot products, each x value
+    within half its block's step), and the scales in fp16 (fewer bytes to read)."""
+    return _gemv("gemv_int8_q8" if round_x else "gemv_int8_groups", x, q, scale)
 
 
-def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor | None:
+def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+            round_x: bool = False) -> torch.Tensor | None:
     """x [rows <= 4, K] times the matrix scale * q + low (q 0..15, two a byte: packed uint8 [N, K / 2]; scale,
-    low fp32 [N, K / 32]) -> [rows, N] in x's dtype, or None likewise."""
-    return _gemv("gemv_q4_groups", x, packed, scale, low)
+    low fp32 [N, K / 32]) -> [rows, N] in x's dtype, or None likewise. round_x: as gemv_int8's (scale and low
+    in fp16)."""
+    return _gemv("gemv_q4_q8" if round_x else "gemv_q4_groups", x, packed, scale, low)
 
 
 def _gemv(name: str, x: torch.Tensor, *matrix: torch.Tensor) -> torch.Tensor | None:

@@ -9,13 +9,24 @@
 // build turns off contraction into FMAs), so the values are the file's bit for bit and only the order of the
 // sums differs from a matmul over the de-quantized matrix. AVX2 + FMA; output rows are split over threads, and
 // one input row is spread over independent accumulator sets (an FMA's latency is 4-5 cycles).
+// gemv_int8_q8 and gemv_q4_q8 (`gguf-q8`) take the same values with fp16 scales and round x to int8 blocks first
+// (llama.cpp's way; see below). AVX2 + FMA + F16C.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;
+// Bytes ahead of the weight stream each kernel asks the cache for: the hardware prefetcher alone left a decode
+// step at ~7-10 GB/s (2 threads, Intel Xeon); 1-2 KB ahead halved the output matrix's time (2048 measured best of
+// 512, 1024 and 2048).
+constexpr int64_t PREFETCH = 2048;
+constexpr int64_t MAX_GROUPS = 4096;  // scales a row (the int8-input kernels' buffer, 64 KB at 4 rows): K <= 65536
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -52,8 +63,10 @@ void rows_times(const float* x, const int8_t* q, const float* scale, float* y, i
     for (int a = 0; a < SETS; ++a)
       for (int r = 0; r < ROWS; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
     int64_t c = 0;
-    for (; c + SETS <= chunks; c += SETS)
+    for (; c + SETS <= chunks; c += SETS) {
+      _mm_prefetch(reinterpret_cast<const char*>(qn + c * 16 + PREFETCH), _MM_HINT_T0);
       for (int a = 0; a < SETS; ++a) chunk_times<ROWS>(x, qn, sn + ((c + a) >> shift), K, (c + a) * 16, acc[a]);
+    }
     for (; c < chunks; ++c) chunk_times<ROWS>(x, qn, sn + (c >> shift), K, c * 16, acc[0]);
     for (int r = 0; r < ROWS; ++r) {
       __m256 total = _mm256_add_ps(acc[0][r][0], acc[0][r][1]);
@@ -63,17 +76,40 @@ void rows_times(const float* x, const int8_t* q, const float* scale, float* y, i
   }
 }
 
-torch::Tensor gemv_int8_groups(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "gemv_int8_groups: x float32, q int8, scale float32");
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2, "gemv_int8_groups: 2-d tensors");
-  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "gemv_int8_groups: contiguous");
+// The checks each op makes before it reads a byte: a refused call raises (the caller falls back to the full
+// weight), never reads past a tensor. `scales`: the scales' (and lows') dtype, fp32 or fp16 by the kernel.
+// Returns the values per scale (int8 ops: 16 or 32).
+int64_t check_int8(const char* op, const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                   at::ScalarType scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == scales,
+              op, ": x float32, q int8, scale ", c10::toString(scales));
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2, op, ": 2-d tensors");
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), op, ": contiguous");
   const int64_t rows = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "gemv_int8_groups: 1 to 4 rows");
-  TORCH_CHECK(q.size(1) == K && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0,
-              "gemv_int8_groups: shapes");
+  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, op, ": 1 to 4 rows");
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K && scale.size(0) == N && scale.size(1) > 0 && K % scale.size(1) == 0 &&
+                  scale.size(1) <= MAX_GROUPS, op, ": shapes");
   const int64_t group = K / scale.size(1);
-  TORCH_CHECK(group == 16 || group == 32, "gemv_int8_groups: groups of 16 or 32 values");
+  TORCH_CHECK(group == 16 || group == 32, op, ": groups of 16 or 32 values");
+  return group;
+}
+
+void check_q4(const char* op, const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+              const torch::Tensor& low, at::ScalarType scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && scale.scalar_type() == scales &&
+                  low.scalar_type() == scales, op, ": x float32, packed uint8, scale and low ", c10::toString(scales));
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scale.dim() == 2 && low.dim() == 2, op, ": 2-d");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && scale.is_contiguous() && low.is_contiguous(),
+              op, ": contiguous");
+  const int64_t rows = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, op, ": 1 to 4 rows");
+  TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 2 && scale.size(0) == N && scale.size(1) == K / 32 &&
+                  low.sizes() == scale.sizes() && K / 32 <= MAX_GROUPS, op, ": shapes");
+}
+
+torch::Tensor gemv_int8_groups(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  const int64_t group = check_int8("gemv_int8_groups", x, q, scale, at::kFloat);
+  const int64_t rows = x.size(0), K = x.size(1), N = q.size(0);
   const int shift = group == 32 ? 1 : 0;
   auto y = torch::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -121,9 +157,11 @@ void q4_rows_times(const float* x, const uint8_t* packed, const float* scale, co
     for (int a = 0; a < SETS; ++a)
       for (int r = 0; r < ROWS; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + SETS <= groups; g += SETS)
+    for (; g + SETS <= groups; g += SETS) {
+      _mm_prefetch(reinterpret_cast<const char*>(pn + g * 16 + PREFETCH), _MM_HINT_T0);
       for (int a = 0; a < SETS; ++a)
         q4_group_times<ROWS>(x, pn + (g + a) * 16, sn + g + a, ln + g + a, K, (g + a) * 32, acc[a]);
+    }
     for (; g < groups; ++g) q4_group_times<ROWS>(x, pn + g * 16, sn + g, ln + g, K, g * 32, acc[0]);
     for (int r = 0; r < ROWS; ++r) {
       __m256 total = _mm256_add_ps(acc[0][r][0], acc[0][r][1]);
@@ -134,16 +172,8 @@ void q4_rows_times(const float* x, const uint8_t* packed, const float* scale, co
 }
 
 torch::Tensor gemv_q4_groups(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor low) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte &&
-                  scale.scalar_type() == at::kFloat && low.scalar_type() == at::kFloat,
-              "gemv_q4_groups: x float32, packed uint8, scale and low float32");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scale.dim() == 2 && low.dim() == 2, "gemv_q4_groups: 2-d");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && scale.is_contiguous() && low.is_contiguous(),
-              "gemv_q4_groups: contiguous");
+  check_q4("gemv_q4_groups", x, packed, scale, low, at::kFloat);
   const int64_t rows = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "gemv_q4_groups: 1 to 4 rows");
-  TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 2 && scale.size(0) == N && scale.size(1) == K / 32 &&
-                  low.sizes() == scale.sizes(), "gemv_q4_groups: shapes");
   auto y = torch::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -161,14 +191,192 @@ torch::Tensor gemv_q4_groups(torch::Tensor x, torch::Tensor packed, torch::Tenso
   return y;
 }
 
+// ---- int8 activations (llama.cpp's way): x's rows rounded to int8 in blocks of 32 (d = max|x| / 127, as its
+// Q8_0), so that a group's dot product is integer multiply-adds over 32 bytes (maddubs + madd), 3-4 instructions
+// a group where the fp32 path above spends ~20. The weights' values are the file's; their group scales and lows
+// come in fp16 (a step reads every byte once, and fp32 scales were a third of a 4-bit matrix's bytes; fp16's
+// rounding, 2^-11, is small beside x's). What changes is x, each value within d / 2 (up to 1/254 of its block's
+// largest), and the scales within 2^-11.
+
+struct Q8Rows {
+  std::vector<int8_t> q;    // [rows, K]
+  std::vector<float> d;     // [rows, K / 32]: value = d * q
+  std::vector<float> dsum;  // [rows, K / 32]: d * the block's sum of q (the 4-bit groups' low term)
+};
+
+Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
+  const int64_t blocks = K / 32;
+  Q8Rows out{std::vector<int8_t>(rows * K), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  for (int64_t b = 0; b < rows * blocks; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      out.q[b * 32 + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[b] = d;
+    out.dsum[b] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+// The 8 int32 sums of 4 adjacent products of unsigned u and signed s bytes (u <= 128, |s| <= 127: the pairs'
+// int16 sums stay below 2^15).
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// f[r][g] = scale[g] * d[r][g] for one output row's groups, 8 at a time (fp16 -> fp32 in vectors), so that the
+// inner loops broadcast each factor from memory (a load) instead of converting and broadcasting in registers: the
+// shuffle port those need is the one the unpacking and the dot products already crowd.
+template <int ROWS>
+inline void group_factors(const uint16_t* sn, const float* d, int64_t groups, float (*f)[MAX_GROUPS]) {
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sn + g)));
+    for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(f[r] + g, _mm256_mul_ps(s, _mm256_loadu_ps(d + r * groups + g)));
+  }
+  for (; g < groups; ++g)
+    for (int r = 0; r < ROWS; ++r) f[r][g] = _cvtsh_ss(sn[g]) * d[r * groups + g];
+}
+
+// The 4-bit groups of output rows n0..n1 times the int8 rows: per group, scale * d * (q . qx), plus the low
+// term low * d * sum(qx) as one dot product over the groups afterwards. A group's 16 bytes are loaded into both
+// halves of a register, the low nibbles kept in one half and the high ones in the other (a blend, not a shuffle).
+template <int ROWS>
+void q4_q8_rows_times(const Q8Rows& xq, const uint8_t* packed, const uint16_t* scale, const uint16_t* low, float* y,
+                      int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t groups = K / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  alignas(32) float f[ROWS][MAX_GROUPS];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* pn = packed + n * (K / 2);
+    const uint16_t* ln = low + n * groups;
+    group_factors<ROWS>(scale + n * groups, xq.d.data(), groups, f);
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pn + g * 16 + PREFETCH), _MM_HINT_T0);
+      const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pn + g * 16)));
+      const __m256i w = _mm256_and_si256(_mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xF0), mask);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + g * 32));
+        acc[r][g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(w, xv)), _mm256_broadcast_ss(f[r] + g),
+                                        acc[r][g & 1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const float* ds = xq.dsum.data() + r * groups;
+      __m256 lows = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        const __m256 l = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ln + g)));
+        lows = _mm256_fmadd_ps(l, _mm256_loadu_ps(ds + g), lows);
+      }
+      float tail = 0.f;
+      for (; g < groups; ++g) tail += _cvtsh_ss(ln[g]) * ds[g];
+      y[r * N + n] = sum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), lows)) + tail;
+    }
+  }
+}
+
+// The int8 groups (GROUP 16 or 32 values a scale) of output rows n0..n1 times the int8 rows; the signed weights
+// go through maddubs as |q| against x with q's sign (llama.cpp's trick). Q8_0's -128 is 128 unsigned: still fits.
+template <int ROWS, int GROUP>
+void int8_q8_rows_times(const Q8Rows& xq, const int8_t* q, const uint16_t* scale, float* y, int64_t K, int64_t N,
+                        int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32, groups = K / GROUP;
+  alignas(32) float f[ROWS][MAX_GROUPS];
+  // d per group: the block's d, once per group of 16 when there are two a block
+  std::vector<float> d(ROWS * groups);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t g = 0; g < groups; ++g) d[r * groups + g] = xq.d[r * blocks + g * GROUP / 32];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qn = q + n * K;
+    group_factors<ROWS>(scale + n * groups, d.data(), groups, f);
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < blocks; ++c) {
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + c * 32 + PREFETCH), _MM_HINT_T0);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + c * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + c * 32));
+        // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31: one factor, or one per half
+        const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(f[r] + c)
+                                     : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(f[r] + 2 * c)),
+                                                            _mm_broadcast_ss(f[r] + 2 * c + 1), 1);
+        acc[r][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, w))), s, acc[r][c & 1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) y[r * N + n] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+torch::Tensor gemv_int8_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  const int64_t group = check_int8("gemv_int8_q8", x, q, scale, at::kHalf);
+  const int64_t rows = x.size(0), K = x.size(1), N = q.size(0);
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), rows, K);
+  auto y = torch::empty({rows, N}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (group == 16) {
+      switch (rows) {
+        case 1: int8_q8_rows_times<1, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
+        case 2: int8_q8_rows_times<2, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
+        case 3: int8_q8_rows_times<3, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
+        default: int8_q8_rows_times<4, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
+      }
+    } else {
+      switch (rows) {
+        case 1: int8_q8_rows_times<1, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
+        case 2: int8_q8_rows_times<2, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
+        case 3: int8_q8_rows_times<3, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
+        default: int8_q8_rows_times<4, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor gemv_q4_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor low) {
+  check_q4("gemv_q4_q8", x, packed, scale, low, at::kHalf);
+  const int64_t rows = x.size(0), K = x.size(1), N = packed.size(0);
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), rows, K);
+  auto y = torch::empty({rows, N}, x.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* lp = reinterpret_cast<const uint16_t*>(low.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (rows) {
+      case 1: q4_q8_rows_times<1>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
+      case 2: q4_q8_rows_times<2>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
+      case 3: q4_q8_rows_times<3>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
+      default: q4_q8_rows_times<4>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(marginalia_gemv, m) {
   m.def("gemv_int8_groups(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("gemv_q4_groups(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
+  m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("gemv_q4_q8(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
   m.impl("gemv_int8_groups", &gemv_int8_groups);
   m.impl("gemv_q4_groups", &gemv_q4_groups);
+  m.impl("gemv_int8_q8", &gemv_int8_q8);
+  m.impl("gemv_q4_q8", &gemv_q4_q8);
 }
