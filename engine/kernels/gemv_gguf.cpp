@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -76,6 +77,21 @@ void rows_times(const float* x, const int8_t* q, const float* scale, float* y, i
   }
 }
 
+// `kernel(R, n0, n1)` over output rows 0..N split across threads, R the kernel's input-row count as a constant
+// (std::integral_constant, so each count gets its own instantiation). Grains of 64 output rows: enough work per
+// task (64 x K bytes) that scheduling is noise.
+template <class Kernel>
+void over_output_rows(int64_t rows, int64_t N, const Kernel& kernel) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (rows) {
+      case 1: kernel(std::integral_constant<int, 1>{}, n0, n1); break;
+      case 2: kernel(std::integral_constant<int, 2>{}, n0, n1); break;
+      case 3: kernel(std::integral_constant<int, 3>{}, n0, n1); break;
+      default: kernel(std::integral_constant<int, 4>{}, n0, n1); break;
+    }
+  });
+}
+
 // The checks each op makes before it reads a byte: a refused call raises (the caller falls back to the full
 // weight), never reads past a tensor. `scales`: the scales' (and lows') dtype, fp32 or fp16 by the kernel.
 // Returns the values per scale (int8 ops: 16 or 32).
@@ -116,14 +132,8 @@ torch::Tensor gemv_int8_groups(torch::Tensor x, torch::Tensor q, torch::Tensor s
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Grains of 64 output rows: enough work per task (64 x K bytes) that scheduling is noise.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (rows) {
-      case 1: rows_times<1>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
-      case 2: rows_times<2>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
-      case 3: rows_times<3>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
-      default: rows_times<4>(xp, qp, sp, yp, K, N, shift, n0, n1); break;
-    }
+  over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
+    rows_times<decltype(R)::value>(xp, qp, sp, yp, K, N, shift, n0, n1);
   });
   return y;
 }
@@ -180,13 +190,8 @@ torch::Tensor gemv_q4_groups(torch::Tensor x, torch::Tensor packed, torch::Tenso
   const float* sp = scale.data_ptr<float>();
   const float* lp = low.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (rows) {
-      case 1: q4_rows_times<1>(xp, pp, sp, lp, yp, K, N, n0, n1); break;
-      case 2: q4_rows_times<2>(xp, pp, sp, lp, yp, K, N, n0, n1); break;
-      case 3: q4_rows_times<3>(xp, pp, sp, lp, yp, K, N, n0, n1); break;
-      default: q4_rows_times<4>(xp, pp, sp, lp, yp, K, N, n0, n1); break;
-    }
+  over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
+    q4_rows_times<decltype(R)::value>(xp, pp, sp, lp, yp, K, N, n0, n1);
   });
   return y;
 }
@@ -325,22 +330,11 @@ torch::Tensor gemv_int8_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   const int8_t* qp = q.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    if (group == 16) {
-      switch (rows) {
-        case 1: int8_q8_rows_times<1, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
-        case 2: int8_q8_rows_times<2, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
-        case 3: int8_q8_rows_times<3, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
-        default: int8_q8_rows_times<4, 16>(xq, qp, sp, yp, K, N, n0, n1); break;
-      }
-    } else {
-      switch (rows) {
-        case 1: int8_q8_rows_times<1, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
-        case 2: int8_q8_rows_times<2, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
-        case 3: int8_q8_rows_times<3, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
-        default: int8_q8_rows_times<4, 32>(xq, qp, sp, yp, K, N, n0, n1); break;
-      }
-    }
+  over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
+    if (group == 16)
+      int8_q8_rows_times<decltype(R)::value, 16>(xq, qp, sp, yp, K, N, n0, n1);
+    else
+      int8_q8_rows_times<decltype(R)::value, 32>(xq, qp, sp, yp, K, N, n0, n1);
   });
   return y;
 }
@@ -354,13 +348,8 @@ torch::Tensor gemv_q4_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* lp = reinterpret_cast<const uint16_t*>(low.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (rows) {
-      case 1: q4_q8_rows_times<1>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
-      case 2: q4_q8_rows_times<2>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
-      case 3: q4_q8_rows_times<3>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
-      default: q4_q8_rows_times<4>(xq, pp, sp, lp, yp, K, N, n0, n1); break;
-    }
+  over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
+    q4_q8_rows_times<decltype(R)::value>(xq, pp, sp, lp, yp, K, N, n0, n1);
   });
   return y;
 }
