@@ -10,7 +10,8 @@ Cost is in reading the document, so each case is read once per reading pattern:
   wim cache *is* plain reading's cache (the notes were cut off), so the question goes straight after the
   document. Past the window (or with no wim read in this run) `llm` reads on its own; `llm-read` always does,
   to check on a sample that the shared read gives the same answers (the report gives the agreement);
-- `rag` reads once.
+- `rag` reads once; so does `wim-group` (notes that overflow their room grouped under notes over each group:
+  a different read past the window, where the carried notes change what later windows see).
 Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
 skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
 """
@@ -45,7 +46,11 @@ from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
              "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup")}
-MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
+# Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
+# Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
+# over each group, which changes what later windows read, so it cannot share the default read).
+OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {}), "wim-group": ("wim", {"overflow": "group"})}
+MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only", "wim-group")
 ALIASES = {"wim": tuple(WIM_MODES)}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
 MARGINS_ONLY_CLASSIFIER = "margin"
@@ -210,17 +215,21 @@ class Evaluator:
             text = margins_only(self.engine, case.query, chosen, case.answer_tokens)
             out["margins-only"] = self._record(case, "margins-only", text, time.perf_counter() - t, margins_used=keep,
                                                classifier=kept_by)
-        for mode in ("llm", "llm-read", "rag"):
+        for mode, (engine_mode, changes) in OWN_READ.items():
             if mode in modes and mode not in stored and mode not in out:
                 t = time.perf_counter()
                 try:
-                    settings = self.settings(case, "llm" if mode == "llm-read" else mode)
+                    settings = dataclasses.replace(self.settings(case, engine_mode), **changes)
                     events = list(self.engine.run(case.text, case.query, settings))
                 except Exception as exc:  # one mode failing (say, rag without its embedding model) ends no other
                     print(f"{case.key}: {mode} failed: {type(exc).__name__}: {exc}", flush=True)
                     continue
                 answer = [e for e in events if isinstance(e, Answer)][0]
-                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending)
+                extra = {} if engine_mode != "wim" else {
+                    "margins_used": answer.margins_used, "citations": answer.citations,
+                    "groups": [e.to_dict() for e in events if e.kind == "group_margin"]}
+                out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending,
+                                         **extra)
         return out
 
     @staticmethod

@@ -46,6 +46,17 @@ def note_label(segment) -> str:
     return where
 
 
+def span_label(segments, first: int, last: int) -> str:
+    """How a note over segments `first`..`last` (a group note, engine/group_notes.py) names where it came from."""
+    if first == last:
+        return note_label(segments[first])
+    where = f"segments {first + 1}-{last + 1}"
+    a, b = segments[first].pages, segments[last].pages
+    if a and b:
+        where += f", page {a[0]}" if a[0] == b[1] else f", pages {a[0]}-{b[1]}"
+    return where
+
+
 def cited(text: str, segments: int) -> list[int]:
     """The segment indexes (0-based, in order of first citation) that `text` cites, among `segments`."""
     found: list[int] = []
@@ -121,9 +132,13 @@ class Answering:
             yield r._stats("answer", stopped=True)
             return
         if wim:
-            ids, used, dropped = (self._fit(query, notes, template, r.limit - r.cache.length,
-                                            set(self.window.passages)) if lookup
-                                  else self.notes_prompt(query, notes, template))
+            in_cache = set(self.window.passages) if lookup else set(r.windows[-1].segments) if r.windows else set()
+            try:
+                ids, used, dropped = yield from self._fitted(query, notes, template, r.limit - r.cache.length,
+                                                             in_cache, stop)
+            except Stopped:
+                yield r._stats("answer", stopped=True)
+                return
             if dropped:
                 yield Notice(f"{len(dropped)} margin(s) did not fit in the context window and were left out "
                              f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
@@ -164,6 +179,25 @@ class Answering:
         r = self.reading
         return self._fit(query, notes, template, r.limit - r.doc_end,
                          set(r.windows[-1].segments) if r.windows else set())
+
+    def _fitted(self, query: str, notes: dict[int, str], template: str | None, room: int, in_cache: set[int],
+                stop) -> Iterator[Event]:
+        """(ids, used, dropped) as _fit; with Settings.overflow `group`, the notes that overflow are grouped
+        first (Reading.fitted_notes), those on segments whose text is in the cache left out of the groups (they
+        give way first). `used` and `dropped` name segments, a group note's members included."""
+        r = self.reading
+        if r.settings.overflow != "group":
+            return self._fit(query, notes, template, room, in_cache)
+        room -= r.settings.answer_tokens
+        inside = {i: t for i, t in notes.items() if i in in_cache}
+        outside = {i: t for i, t in notes.items() if i not in in_cache}
+        items = yield from r.fitted_notes(outside, lambda lines: self._prompt(query, lines, template), room,
+                                          r.cache.length, stop, "the answer")
+        items.notes.update(inside)  # plain notes again: their label and score are their own
+        ids, used, dropped = fit_notes(items.lines(), r.item_scores(items),
+                                       lambda lines: self._prompt(query, lines, template), room,
+                                       in_cache=set(inside), label=r.group_writing.label(items))
+        return ids, items.members(used), items.members(dropped)
 
     def _prompt(self, query: str, lines: str, template: str | None) -> list[int]:
         r = self.reading

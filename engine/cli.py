@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .classify import CLASSIFIERS
 from .documents import IngestError, load_document
+from .group_notes import OVERFLOWS
 from .margins import MARGIN_STYLES
 from .model import DECODE_WEIGHTS, DECODE_WEIGHTS_HELP, default_model
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     read.add_argument("--window", choices=WINDOWS, default=Settings.window,
                       help="past the context window: a new window carrying the margins, or a sliding cache")
+    read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
+                      help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
+                           "lowest-scored, or group them under notes written over each group")
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
     read.add_argument("--decode-weights", choices=["auto", *DECODE_WEIGHTS], default=None, help=DECODE_WEIGHTS_HELP)
@@ -130,6 +134,9 @@ class HumanOutput:
             score = f" ({ev.score:.2f})" if ev.score is not None else ""
             pages = f" p.{ev.pages[0]}-{ev.pages[1]}" if ev.pages else ""
             self.progress.console.print(f"[bold]margin {ev.index + 1}[/]{pages} {verdict}{score}[/]: {ev.text}")
+        elif ev.kind == "group_margin":
+            tier = f" (tier {ev.tier})" if ev.tier > 1 else ""
+            self.progress.console.print(f"[bold]note over segments {ev.first + 1}-{ev.last + 1}[/]{tier}: {ev.text}")
         elif ev.kind == "notice":
             self.progress.console.print(f"[yellow]{ev.text}")
         elif ev.kind == "answer_token":
@@ -176,7 +183,7 @@ def cmd_read(args) -> int:
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
                         temperature=args.temperature, context_limit=args.context_limit,
-                        window=args.window,
+                        window=args.window, overflow=args.overflow,
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()

@@ -68,6 +68,20 @@ class Margin(Event):
 
 
 @dataclass(frozen=True)
+class GroupMargin(Event):
+    """A note written over consecutive kept notes that no longer fit their room (engine/group_notes.py): it
+    stands in for them, covering segments `first`..`last`; `members` are the segments whose notes it carries,
+    `tier` 2 or more when it was written over group notes."""
+    kind: ClassVar[str] = "group_margin"
+    first: int
+    last: int
+    text: str
+    members: list[int]
+    tier: int = 1
+    ending: str = ""
+
+
+@dataclass(frozen=True)
 class AnswerToken(Event):
     kind: ClassVar[str] = "answer_token"
     text: str

@@ -25,11 +25,12 @@ from typing import Iterator
 import torch
 
 from . import saved
-from .answering import ANSWER_STYLES, Answering, note_label
+from .answering import ANSWER_STYLES, Answering
 from .cache import key_rotation
 from .classify import Classifier, embed
 from .events import Event, Notice, SegmentRead, Stats, WindowStart
 from .generate import Meter, Stopped, peak_memory_bytes
+from .group_notes import OVERFLOWS, GroupWriting
 from .margin_writing import MarginNote, MarginWriting
 from .margins import MARGIN_STYLES
 from .model import LoadedModel, load_model, release_freed_memory
@@ -69,6 +70,10 @@ class Settings:
     # Past the window: notes (the last window, then the notes) | lookup (the kept notes' passages re-read into the
     # answer window, then the notes: up to a window's worth of prefill for every answer; not yet measured better)
     answer_style: str = "notes"
+    # Kept notes that no longer fit their room (carried into a new window, or beside an answer): drop (the
+    # lowest-scored give way) | group (notes written over groups of them, engine/group_notes.py; not yet measured
+    # better)
+    overflow: str = "drop"
 
     def validate(self) -> "Settings":
         if self.mode not in MODES:
@@ -77,6 +82,8 @@ class Settings:
             raise ValueError(f"window must be one of {', '.join(WINDOWS)}")
         if self.answer_style not in ANSWER_STYLES:
             raise ValueError(f"answer_style must be one of {', '.join(ANSWER_STYLES)}")
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"overflow must be one of {', '.join(OVERFLOWS)}")
         if self.margins not in MARGIN_STYLES:
             raise ValueError(f"margins must be one of {', '.join(MARGIN_STYLES)}")
         if self.window_cache_budget_bytes < 0:
@@ -155,6 +162,7 @@ class Reading:
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.notes = MarginWriting(engine, settings, self.doc, self.runner, self.generator)
+        self.group_writing = GroupWriting(engine, settings, self.doc, self.runner, self.generator)
         self.answering = Answering(self)
         self._plan_windows()
 
@@ -355,10 +363,11 @@ class Reading:
         if notice:
             yield notice
         notes = {i: self.margins[i].text for i in self.default_selection()}
-        prefix, notes, _ = fit_notes(notes, self._note_scores(),
-                                     lambda lines: self.layout.window_prefix(lines or "(none so far)"),
-                                     len(self.layout.prefix) + self.limit // 4, in_cache=set(),
-                                     label=lambda i: note_label(self.segments[i]))
+        build = lambda lines: self.layout.window_prefix(lines or "(none so far)")  # noqa: E731
+        room = len(self.layout.prefix) + self.limit // 4
+        items = yield from self.fitted_notes(notes, build, room, self.doc_end, stop, "the next window")
+        prefix, notes, _ = fit_notes(items.lines(), self.item_scores(items), build, room, in_cache=set(),
+                                     label=self.group_writing.label(items))
         self.window += 1
         self.cache.truncate(0)
         with self.engine.lock:
@@ -366,6 +375,18 @@ class Reading:
         self.doc_end = self.cache.length
         self.cache_window = self.window_store.start(self.window, prefix, self.doc_end)
         yield WindowStart(self.window, first_segment, len(notes), "the next segment does not fit in the window")
+
+    def fitted_notes(self, notes: dict[int, str], build, room: int, doc_end: int, stop, where: str):
+        """`notes` as engine/group_notes.py's Carried items for fit_notes: grouped where they overflow `room`
+        and Settings.overflow is `group` (GroupWriting.fitted), else each note an item of its own."""
+        spans = {i: self.margins[i].spans for i in notes if i in self.margins}
+        return (yield from self.group_writing.fitted(notes, spans, self.query, build, room, self.cache, doc_end,
+                                                     stop, where))
+
+    def item_scores(self, items) -> dict[int, float]:
+        """The classifier's score of each item (a group note: its best member's), for fit_notes."""
+        scores = self._note_scores()
+        return {k: max(scores.get(m, 1.0) for m in items.members([k])) for k in items.lines()}
 
     def _slide(self, seg: Segment) -> WindowStart:
         """The sliding cache: evict the oldest segments after the instruction prefix (the attention sink)
@@ -409,6 +430,7 @@ class Reading:
         self.meter = self.runner.meter = meter
         self.cache.truncate(0)
         self.margins.clear()
+        self.group_writing.groups.clear()
         self.read_segments.clear()
         self.doc_end = 0
         self.window = 0

@@ -92,7 +92,7 @@ def test_eval_quick(tmp_path):
     shared("babi", "qa1_single-supporting-fact_test.txt")
     cases = tmp_path / "cases.jsonl.gz"
     _run("bench.eval", tmp_path, "--dump-cases", str(cases))
-    all_modes = ("--modes", "wim,llm,llm-read,rag,margins-only")
+    all_modes = ("--modes", "wim,llm,llm-read,rag,margins-only,wim-group")
     _run("bench.eval", tmp_path, "--cases", str(cases), *all_modes)
     data = json.loads((tmp_path / "eval.json").read_text())
     md = (tmp_path / "eval.md").read_text()
