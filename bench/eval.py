@@ -49,7 +49,8 @@ WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embe
 # Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
 # Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
 # over each group, which changes what later windows read, so it cannot share the default read).
-OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {}), "wim-group": ("wim", {"overflow": "group"})}
+OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {}),
+            "wim-group": ("wim", {"overflow": "group"})}
 MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only", "wim-group")
 ALIASES = {"wim": tuple(WIM_MODES)}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier).

@@ -67,7 +67,7 @@ def carried(notes: dict[int, str], groups, spans: dict[int, list[tuple[int, int]
     """`notes` (segment -> text; `spans`: the characters each copied) with the group notes already written
     (`groups`: a dict or list of GroupNote) standing in for their members, the widest first, where every member
     is among `notes` (a reader who set one of them aside gets the others as notes of their own)."""
-    out = Carried(dict(notes), spans={i: list(v) for i, v in (spans or {}).items() if i in notes})
+    out = Carried(dict(notes), spans={i: [tuple(x) for x in v] for i, v in (spans or {}).items() if i in notes})
     values = groups.values() if isinstance(groups, dict) else groups
     for group in sorted(values, key=lambda g: (-len(g.members), g.first)):
         if all(m in out.notes for m in group.members):

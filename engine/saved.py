@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .generate import Meter
+from .group_notes import GroupNote
 from .margin_writing import MarginNote
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = 
     windows = reading.window_store.save(partial, reading.cache, max_bytes)
     meta = {"fingerprint": fingerprint(reading), "query": reading.query, "window": reading.window,
             "read_segments": reading.read_segments, "windows": windows,
-            "margins": [asdict(m) for m in reading.margins.values()]}
+            "margins": [asdict(m) for m in reading.margins.values()],
+            "groups": [asdict(g) for g in reading.group_writing.groups.values()]}
     (partial / SAVED).write_text(json.dumps(meta), encoding="utf-8")
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
@@ -66,4 +68,8 @@ def restore(reading: "Reading", folder: str | os.PathLike) -> bool:
     reading.window, reading.query = meta["window"], meta["query"]
     reading.read_segments[:] = meta["read_segments"]
     reading.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
+    for g in meta.get("groups", []):  # readings saved before group notes existed have none
+        group = GroupNote(**g)
+        group.spans = [tuple(span) for span in group.spans]
+        reading.group_writing.groups[group.first, group.last] = group
     return True

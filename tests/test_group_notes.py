@@ -100,7 +100,8 @@ def test_the_answer_takes_the_group_notes_and_names_their_members(engine, groupe
     in_last = set(reading.windows[-1].segments)
     assert set(kept) - in_last <= set(answer.margins_used)
     prompt = engine.lm.tokenizer.decode(reading.answering.window.ids)
-    assert any(f"[segments {g.first + 1}-{g.last + 1}] {g.text}" in prompt for g in reading.group_writing.groups.values())
+    groups = reading.group_writing.groups.values()
+    assert any(f"[segments {g.first + 1}-{g.last + 1}] {g.text}" in prompt for g in groups)
     assert len(reading.answering.window.ids) <= reading.limit - reading.doc_end - GROUPED.answer_tokens
     # Dropping, as before, when grouping is off: notes beyond those in the cache are left out, and said so.
     reading.settings = replace(GROUPED, overflow="drop")
@@ -108,3 +109,11 @@ def test_the_answer_takes_the_group_notes_and_names_their_members(engine, groupe
     reading.settings = GROUPED
     assert any(isinstance(e, Notice) and "did not fit" in e.text for e in dropped)
     assert not set(kept) - in_last <= set(next(e for e in dropped if isinstance(e, Answer)).margins_used)
+
+
+def test_a_saved_reading_keeps_its_group_notes(engine, grouped, tmp_path):
+    reading, _ = grouped
+    reading.save(tmp_path / "saved")
+    again = engine.open(reading.doc.text, GROUPED)
+    assert again.restore(tmp_path / "saved")
+    assert again.group_writing.groups == reading.group_writing.groups and again.group_writing.groups
