@@ -12,7 +12,9 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - question-first: the question, then the notes as copied from the document, then "answer from the notes where
                they answer it";
 - list-cite-after: the list, the answer's own words first and the citations after them ("... [segment 3]");
-- question-twice: the question before the notes and again after them, citations as in list-cite-after.
+- question-twice: the question before the notes and again after them, citations as in list-cite-after;
+- list-sources: the list, the answer, then "Sources:" and its citations on a line of their own;
+- question-first-sources: the question, then the copied notes, the answer and a "Sources:" line.
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's default (every note
 that did not say NONE), or `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges relevant, or one
 whose own relevance score is at least 0.7). `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
@@ -42,6 +44,9 @@ _LIST = ("\n\nWhile reading, these notes were written in the margins:\n{margins}
 # The answer's words first, each citation after them (list-cite-after and question-twice).
 _CITE_AFTER = "Answer in a few words: first the answer itself, then the notes it comes from in brackets, like " \
               "\"... [segment 3]\"."
+# The answer, then its citations on a line of their own (list-sources, question-first-sources).
+_SOURCES = "Answer in a few words. Then, on a new line, write \"Sources:\" and the notes the answer comes from, " \
+           "like [segment 3]."
 CANDIDATES = {
     "list": _LIST + "Answer in a few words.",
     "margins": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading order, "
@@ -62,6 +67,11 @@ CANDIDATES = {
     "question-twice": "\n\nQuestion: {query}\n\nWhile reading, these notes were written in the margins, in reading "
                       "order:\n{margins}\n\nUsing the document and the notes, answer the question: {query}\n"
                       + _CITE_AFTER,
+    # The citations on a line of their own after the answer, so a list answer's items are not replaced by them.
+    "list-sources": _LIST + _SOURCES,
+    "question-first-sources": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the "
+                              "document into the margins, in reading order:\n{margins}\n\nAnswer the question from "
+                              "the document and the notes. " + _SOURCES,
 }
 
 
