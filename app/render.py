@@ -11,7 +11,7 @@ import html
 import math
 from dataclasses import dataclass, field
 
-from engine.answering import CITATION, cited
+from engine.attribution import CITATION, cited
 
 # Segment numbers on screen are 1-based (the engine's indexes are 0-based).
 

@@ -32,7 +32,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.answering import says_not_stated, without_citations
+from engine.answering import says_not_stated
+from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results

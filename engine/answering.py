@@ -1,6 +1,6 @@
 """Answers a question from a reading's cache: what the cache holds of the text (past the window, the passages of
 the kept notes read again), then the chosen notes in reading order, each tagged with its segment and page, then
-the question; the answer cites the notes it used and ends at a sentence end.
+the question; the answer ends at a sentence end and cites the notes that hold its words.
 
 Cache layout of an answer inside one window (the document was prefilled once, while reading):
 
@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
+from .attribution import attributed, cited
 from .events import Answer, AnswerToken, Event, Notice
 from .generate import DecodeResult, Meter, Stopped
 from .prompts import fit_notes, note_lines, prompt
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from .wim import Reading
 
 ANSWER_STYLES = ("notes", "lookup")  # past the window: the notes alone, or the kept notes' passages re-read too
-# "[segment 12]", "[segments 3 and 5]", "[segment 3, page 2]", "[segments 4-6]": one citation each.
-CITATION = re.compile(r"\[\s*(?:segments?|parts?)\s+([0-9][0-9,;\s\-–and]*)(?:,?\s*pages?\s+[0-9\-–]+)?\s*\]",
-                      re.IGNORECASE)
 NOT_STATED = re.compile(r"\b(?:does not|doesn't|do not|did not) (?:say|state|mention|tell)|\bnot (?:stated|mentioned|"
                         r"given|specified)\b", re.IGNORECASE)
 # A sentence ends at . ! ? (after a quote or bracket too, or a citation right after it).
@@ -55,24 +53,6 @@ def span_label(segments, first: int, last: int) -> str:
     if a and b:
         where += f", page {a[0]}" if a[0] == b[1] else f", pages {a[0]}-{b[1]}"
     return where
-
-
-def cited(text: str, segments: int) -> list[int]:
-    """The segment indexes (0-based, in order of first citation) that `text` cites, among `segments`."""
-    found: list[int] = []
-    for match in CITATION.finditer(text):
-        for a, b in re.findall(r"(\d+)\s*(?:[-–]\s*(\d+))?", match.group(1)):
-            lo, hi = int(a), int(b or a)
-            for n in range(lo, min(hi, lo + 50) + 1):
-                if 1 <= n <= segments and n - 1 not in found:
-                    found.append(n - 1)
-    return found
-
-
-def without_citations(text: str) -> str:
-    """The answer's words with its citations taken out (what a score compares)."""
-    words = re.sub(r"[ \t]{2,}", " ", CITATION.sub("", text))
-    return re.sub(r"\s+([.,;:!?])", r"\1", words).strip()
 
 
 def says_not_stated(text: str) -> bool:
@@ -162,6 +142,9 @@ class Answering:
         self.window.ids = self.window.ids + list(ids)
         yield from r.runner.drain()
         text = complete_sentences(result.text, result.reason)
+        if wim:  # cited by the notes that hold its words (engine/attribution.py), not by asking the model
+            text = attributed(text, {i: t for i, t in notes.items() if i in used or i in in_cache}, query,
+                              lambda i: note_label(r.segments[i]), fallback=not says_not_stated(text))
         yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
                      list(self.window.passages))
         yield r._stats("answer")

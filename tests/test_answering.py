@@ -1,8 +1,10 @@
-"""The answer's form (engine/answering.py): citations read from its text, its words without them, an answer cut at
-its cap ending at a sentence end, and "not stated" answers recognised."""
+"""The answer's form (engine/answering.py, engine/attribution.py): citations read from its text, its words without
+them, citations written after the pieces whose words a note holds, an answer cut at its cap ending at a sentence
+end, and "not stated" answers recognised."""
 from __future__ import annotations
 
-from engine.answering import cited, complete_sentences, note_label, says_not_stated, without_citations
+from engine.answering import complete_sentences, note_label, says_not_stated
+from engine.attribution import attributed, cited, without_citations
 from engine.segment import Segment
 
 
@@ -28,3 +30,30 @@ def test_not_stated_answers_and_note_labels():
     assert note_label(Segment(2, 0, 10, 0, 5, (3, 3))) == "segment 3, page 3"
     assert note_label(Segment(2, 0, 10, 0, 5, (3, 4))) == "segment 3, pages 3-4"
     assert note_label(Segment(0, 0, 10, 0, 5)) == "segment 1"
+
+
+def _label(i: int) -> str:
+    return f"segment {i + 1}"
+
+
+def test_an_answer_is_cited_by_the_notes_that_hold_its_words():
+    notes = {2: "Mary went to the office.", 5: "Mary journeyed to the hallway.", 9: "The cook kept a large cat."}
+    # The question's own words (Mary) do not choose a note; the answer's (hallway) do.
+    assert attributed("Mary is in the hallway.", notes, "Where is Mary?", _label) == \
+        "Mary is in the hallway [segment 6]."
+    # A list: each item after the note that holds it; an item no note holds stays uncited.
+    assert attributed("office, cat, piano", notes, "What is there?", _label) == \
+        "office [segment 3], cat [segment 10], piano"
+    # Tied notes: the later two (the newer state of a fact); plurals meet their singular.
+    tied = {0: "The key was here.", 1: "A key lay there.", 4: "Keys again."}
+    assert attributed("The keys.", tied, "What?", _label) == "The keys [segment 2] [segment 5]."
+    # No piece shares a word with a note: the notes closest to question and answer together ("Mary"), unless
+    # the answer says the document does not say; no note near either: the answer as it is.
+    assert attributed("Yes.", notes, "Did Mary go anywhere?", _label) == "Yes [segment 3] [segment 6]."
+    assert attributed("Yes.", notes, "Did Mary go anywhere?", _label, fallback=False) == "Yes."
+    assert attributed("In 1956.", notes, "When?", _label) == "In 1956."
+    # Cited by the model already: left as it is.
+    assert attributed("The hallway [segment 2].", notes, "Where is Mary?", _label) == "The hallway [segment 2]."
+    assert attributed("The hallway.", {}, "Where is Mary?", _label) == "The hallway."
+    assert cited(attributed("Galbor", {12: "The Golden Bell Tannery is in the town of Galbor."},
+                            "In which town does Dunithrel Romar work?", _label), 16) == [12]
