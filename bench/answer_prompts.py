@@ -2,12 +2,16 @@
 (WiM, default settings); every candidate prompt then answers from the same cache (an answer never changes the
 document's cache), and plain reading's answer too. Tune on a seed other than the reported one (default 1).
 
-Candidates (their texts below; the engine's answer prompt, engine/prompts/answer.txt, is the one chosen). The notes are given in
+Candidates (their texts below; the engine's answer prompt, engine/prompts/answer.txt, is the one chosen; every
+answer that cites nothing itself is cited afterwards by the notes that hold its words). The notes are given in
 reading order, each tagged with its segment and page ("- [segment 3, page 2] ..."), in every candidate:
-- list:        the notes as a list after the document, "answer in a few words";
+- list:        the notes as a list after the document, "answer in a few words" (the engine's default; its
+               citations are written after it from the notes' words, engine/attribution.py);
 - margins:     the paper's framing (notes written in the margin while reading part by part), cite the notes
                used, say when the document does not say;
-- list-cite:   the list, and cite the notes after the answer (the engine's default);
+- margins-plain: the paper's framing, "answer in a few words" (cited afterwards, as `list`);
+- list-cite:   the list, and cite the notes after the answer (the default before: at 16,000 tokens the 1.5B
+               cited the instruction's example and answered with the note it cited);
 - list-unsure: the list, and say so when neither the document nor the notes answer;
 - question-first: the question, then the notes as copied from the document, then "answer from the notes where
                they answer it";
@@ -15,10 +19,13 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - question-twice: the question before the notes and again after them, citations as in list-cite-after;
 - list-sources: the list, the answer, then "Sources:" and its citations on a line of their own;
 - question-first-sources: the question, then the copied notes, the answer and a "Sources:" line.
-Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's default (every note
-that did not say NONE), or `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges relevant, or one
-whose own relevance score is at least 0.7). `margins-only` answers from the selected notes alone, without the document (bench/baselines.py), and
-`plain` from the document alone.
+Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's
+default (every note that did not say NONE), `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges
+relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM's verdict alone, or `reader`: the
+notes on the case's gold segments (what a careful reader would keep). Past the window a candidate may end in
+`@lookup` (the kept notes' passages re-read into the answer window, Settings.answer_style) or `@notes` (the last
+window and the notes); without either, the engine's default style. `margins-only` answers from the selected notes
+alone, without the document (bench/baselines.py), and `plain` from the document alone (inside one window).
 
 Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
 answerable and on unanswerable cases, and answers cut at their token limit. Records in --out, one line per
@@ -53,8 +60,10 @@ CANDIDATES = {
                "each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, answer the "
                "question: {query}\nAnswer in a few words, and cite the notes you used, like [segment 3]. If the "
                "document does not say, answer \"The document does not say.\"",
+    "margins-plain": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading "
+                     "order, each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, "
+                     "answer the question: {query}\nAnswer in a few words.",
     "list-cite": _LIST + "Answer in a few words. After the answer, cite the notes it comes from, like [segment 3].",
-    # (list-cite is the engine's default, engine/prompts/answer.txt: the best score here, with citations)
     "list-unsure": _LIST + "Answer in a few words. If neither the document nor the notes answer the question, say "
                            "\"The document does not say.\"",
     "question-first": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the document into the "
@@ -75,9 +84,22 @@ CANDIDATES = {
 }
 
 
-def selections(reading, query: str, names: list[str]) -> dict[str, list[int]]:
+SELECTIONS = ("margin", "emb-or-rel", "embedding", "reader")
+STYLES = ("lookup", "notes")
+
+
+def parse(name: str) -> tuple[str, str, str | None]:
+    """(prompt, selection, style) of a candidate named PROMPT[+SELECTION][@STYLE]."""
+    rest, _, style = name.partition("@")
+    candidate, _, selection = rest.partition("+")
+    return candidate, selection or "margin", style or None
+
+
+def selections(reading, case, names: list[str]) -> dict[str, list[int]]:
     """Segment indexes of the notes each named selection keeps, from one reading's notes."""
     from engine.classify import Classifier, says_nothing
+    from .eval import gold_segments
+    query = case.query
     notes = {i: m for i, m in sorted(reading.margins.items()) if m.text and not says_nothing(m.text)}
     out = {}
     for name in names:
@@ -86,6 +108,12 @@ def selections(reading, query: str, names: list[str]) -> dict[str, list[int]]:
         elif name == "emb-or-rel":  # the engine's `combined` classifier
             judge = Classifier("combined", reading.runner, reading.engine.layout, reading.settings.embedding_threshold)
             out[name] = [i for i, m in notes.items() if judge(query, m.text, relevance=m.score)[0]]
+        elif name == "embedding":
+            judge = Classifier("embedding", reading.runner, reading.engine.layout, reading.settings.embedding_threshold)
+            out[name] = [i for i, m in notes.items() if judge(query, m.text)[0]]
+        elif name == "reader":
+            gold = set(gold_segments(case, reading))
+            out[name] = [i for i in notes if i in gold]
         else:
             raise ValueError(f"unknown selection {name!r}")
     return out
@@ -105,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margins", default="extractive")
     parser.add_argument("--context-limit", type=int, default=None)
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
-                        help="comma list of PROMPT or PROMPT+SELECTION, PROMPT one of " + ", ".join(CANDIDATES)
-                             + ", margins-only; SELECTION margin (the default) or emb-or-rel; plain is always run")
+                        help="comma list of PROMPT[+SELECTION][@STYLE], PROMPT one of " + ", ".join(CANDIDATES)
+                             + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
+                             "STYLE (past the window) one of " + ", ".join(STYLES) + "; plain is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
                         help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "
@@ -130,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                 done[r["case"]][r["candidate"]] = r
     from engine import Answer
     from .baselines import margins_only
-    names = [*dict.fromkeys(c.removesuffix("+margin") for c in args.candidates.split(",")), "plain"]
-    unknown = [n for n in names[:-1] if n.partition("+")[0] not in (*CANDIDATES, "margins-only")]
+    names = [*dict.fromkeys(c.replace("+margin", "") for c in args.candidates.split(",")), "plain"]
+    unknown = [n for n in names[:-1] if parse(n)[0] not in (*CANDIDATES, "margins-only")
+               or parse(n)[1] not in SELECTIONS or parse(n)[2] not in (None, *STYLES)]
     if unknown:
         parser.error(f"unknown candidate: {', '.join(unknown)}")
-    chosen_selections = list(dict.fromkeys(n.partition("+")[2] or "margin" for n in names[:-1]))
+    chosen_selections = list(dict.fromkeys(parse(n)[1] for n in names[:-1]))
     for k, case in enumerate(cases):
         if all(n in done[case.key] for n in names):
             continue
@@ -145,27 +175,30 @@ def main(argv: list[str] | None = None) -> int:
             list(reading.read(case.query))
             if kept_read:
                 reading.save(kept_read)
-        chosen = selections(reading, case.query, chosen_selections)
+        chosen = selections(reading, case, chosen_selections)
         with path.open("a", encoding="utf-8") as f:
             for name in names:
                 if name in done[case.key]:
                     continue
                 if name == "plain" and reading.multiwindow:
                     continue  # plain reading past the window reads on its own (bench.eval's llm)
-                candidate, _, selection = name.partition("+")
-                kept = chosen[selection or "margin"] if name != "plain" else []
+                candidate, selection, style = parse(name)
+                kept = chosen[selection] if name != "plain" else []
                 started = time.perf_counter()
                 if candidate == "margins-only":
                     notes = {i: reading.margins[i].text for i in kept}
                     text, ending, citations = margins_only(engine, case.query, notes, case.answer_tokens), "", []
+                    passages = []
                 else:
                     events = list(reading.answer(case.query, plain=True) if name == "plain"
-                                  else reading.answer(case.query, margins=kept, template=CANDIDATES[candidate]))
+                                  else reading.answer(case.query, margins=kept, template=CANDIDATES[candidate],
+                                                      style=style))
                     answer = next(e for e in events if isinstance(e, Answer))
                     text, ending, citations = answer.text, answer.ending, answer.citations
+                    passages = answer.passages
                 rec = {"case": case.key, "task": case.task, "kind": case.kind, "candidate": name,
                        "prediction": text, "ending": ending, "citations": citations, "seconds":
-                       time.perf_counter() - started, "kept": kept, "not_stated": says_not_stated(text),
+                       time.perf_counter() - started, "kept": kept, "passages": passages, "not_stated": says_not_stated(text),
                        "fingerprint": fp, **score(case, text)}
                 done[case.key][name] = rec
                 f.write(json.dumps(rec) + "\n")
