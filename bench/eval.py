@@ -12,6 +12,8 @@ Cost is in reading the document, so each case is read once per reading pattern:
   to check on a sample that the shared read gives the same answers (the report gives the agreement);
 - `rag` reads once; so does `wim-group` (notes that overflow their room grouped under notes over each group:
   a different read past the window, where the carried notes change what later windows see).
+With `--reads DIR` each case's wim read (its cache, engine/saved.py, and its record) is kept there and taken up
+again by a later run, so a changed answer prompt or a new wim mode costs answers, not reads.
 Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
 skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
 """
@@ -43,10 +45,12 @@ from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 # wim-<classifier>: the margins that classifier keeps (wim-combined: engine/classify.py's combined_verdict, on the
 # read's own MiniLM verdicts); wim-reader: the margins a careful reader would keep (those on the case's gold
 # segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins, answered past the
-# window with their passages re-read into the answer window (answer_style lookup).
+# window with their passages re-read into the answer window (answer_style lookup); wim-notes: the same margins
+# answered from the last window and the notes alone (answer_style notes).
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
-             "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup")}
+             "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup"),
+             "wim-notes": ("margin", "notes")}
 # Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
 # Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
 # over each group, which changes what later windows read, so it cannot share the default read).
@@ -128,60 +132,80 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 # ---- running the modes on one case ------------------------------------------------------------------------------
 class Evaluator:
     def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
-                 margins: str = "extractive", context_limit: int | None = None):
+                 margins: str = "extractive", context_limit: int | None = None, reads: Path | None = None):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
         self.margins = margins
         self.context_limit = context_limit
+        self.reads = reads
 
     def settings(self, case: Case, mode: str):
+        """The engine's defaults but for the case's sizes. Margins are read with the default classifier, whose
+        selection is what a multi-window reading carries into its next window (each wim mode then answers with
+        its own selection, the verdicts worked out after the read)."""
         from engine import Settings
         tok = self.engine.lm.tokenizer
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
-                        answer_tokens=case.answer_tokens, classifier="none", margins=self.margins,
-                        context_limit=self.context_limit)
+                        answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit)
+
+    def wim_read(self, case: Case, base) -> tuple[object, dict]:
+        """(reading, its record): read now, or taken up from --reads where an earlier run kept it."""
+        reading = self.engine.open(case.text, base)
+        kept = self.reads / case.key.replace("/", "-") if self.reads else None
+        if kept and (kept / "wim-read.json").exists() and reading.restore(kept):
+            return reading, json.loads((kept / "wim-read.json").read_text())
+        record = self._read(case, reading)
+        if kept:
+            # Past the window only the last window's cache: answers need no other (~0.2 GB a 24k case at 8k).
+            reading.save(kept, max_bytes=0 if reading.multiwindow else None)
+            (kept / "wim-read.json").write_text(json.dumps(record))
+        return reading, record
+
+    def _read(self, case: Case, reading) -> dict:
+        """Read the case with WiM and record the margins, every classifier's verdicts on them, and the costs."""
+        from engine.classify import Classifier
+        base = reading.settings
+        t = time.perf_counter()
+        events = list(reading.read(case.query))
+        read_s = time.perf_counter() - t
+        margins = {i: m.text for i, m in sorted(reading.margins.items())}
+        verdicts, failed = {}, {}
+        for method in ("llm", "embedding"):
+            try:
+                judge = Classifier(method, reading.runner, self.engine.layout, base.embedding_threshold)
+                verdicts[method] = {i: bool(judge(case.query, text)[0]) if text else False
+                                    for i, text in margins.items()}
+            except Exception as exc:  # say, no embedding model: the other modes still count
+                failed[method] = f"{type(exc).__name__}: {exc}"
+                print(f"{case.key}: classifier {method} failed: {failed[method]}", flush=True)
+        verdicts["none"] = {i: bool(text) for i, text in margins.items()}
+        # `margin`: relevance from the note itself; a note is kept unless it said "nothing relevant".
+        verdicts["margin"] = {i: bool(text) and not says_nothing(text) for i, text in margins.items()}
+        notes = {e.index: e for e in events if e.kind == "margin"}
+        if "embedding" in verdicts:  # `combined` (engine/classify.py): MiniLM, or a note sure of itself
+            verdicts["combined"] = {i: verdicts["margin"][i] and combined_verdict(verdicts["embedding"][i],
+                                                                                notes[i].score) for i in margins}
+        gold = gold_segments(case, reading)
+        verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
+        return {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
+                "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
+                "gold_segments": gold, "stats": next((e.to_dict() for e in events if e.kind == "stats"), None),
+                "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
+                "windows": 1 + sum(e.kind == "window" for e in events)}
 
     def run(self, case: Case, modes: list[str], stored: dict[str, dict]) -> dict[str, dict]:
         """Records for the `modes` not yet in `stored` (mode -> record)."""
         from engine import Answer
-        from engine.classify import Classifier
         from .baselines import margins_only
         out: dict[str, dict] = {}
         wim_needed = [m for m in modes if m in WIM_MODES and m not in stored]
         read = stored.get("wim-read")
         plain_needed = "llm" in modes and "llm" not in stored
         if wim_needed or ("margins-only" in modes and "margins-only" not in stored and read is None):
-            base = self.settings(case, "wim")
-            t = time.perf_counter()
-            reading = self.engine.open(case.text, base)
-            events = list(reading.read(case.query))
-            read_s = time.perf_counter() - t
-            margins = {i: m.text for i, m in sorted(reading.margins.items())}
-            verdicts, failed = {}, {}
-            for method in ("llm", "embedding"):
-                try:
-                    judge = Classifier(method, reading.runner, self.engine.layout, base.embedding_threshold)
-                    verdicts[method] = {i: bool(judge(case.query, text)[0]) if text else False
-                                        for i, text in margins.items()}
-                except Exception as exc:  # say, no embedding model: the other modes still count
-                    failed[method] = f"{type(exc).__name__}: {exc}"
-                    print(f"{case.key}: classifier {method} failed: {failed[method]}", flush=True)
-            verdicts["none"] = {i: bool(text) for i, text in margins.items()}
-            # `margin`: relevance from the note itself; a note is kept unless it said "nothing relevant".
-            verdicts["margin"] = {i: bool(text) and not says_nothing(text) for i, text in margins.items()}
-            notes = {e.index: e for e in events if e.kind == "margin"}
-            if "embedding" in verdicts:  # `combined` (engine/classify.py): MiniLM, or a note sure of itself
-                verdicts["combined"] = {i: verdicts["margin"][i] and combined_verdict(verdicts["embedding"][i],
-                                                                                    notes[i].score) for i in margins}
-            gold = gold_segments(case, reading)
-            verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
-            read = {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
-                    "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
-                    "gold_segments": gold,
-                    "stats": next((e.to_dict() for e in events if e.kind == "stats"), None),
-                    "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
-                    "windows": 1 + sum(e.kind == "window" for e in events)}
+            reading, read = self.wim_read(case, self.settings(case, "wim"))
+            # JSON keys are strings: a record taken up from --reads gives them back as numbers.
+            verdicts = {method: {int(i): v for i, v in got.items()} for method, got in read["verdicts"].items()}
             out["wim-read"] = read
             answered: dict[tuple, dict] = {}  # selection -> record: two classifiers keeping the same margins
             for mode in wim_needed:           # get the same (greedy) answer, computed once
@@ -444,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=None,
                         help="with --workers: stop the workers after this many seconds and report what is done "
                              "(cases run in an order that keeps the table balanced)")
+    parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
+                        help="keep each case's wim read here (its cache, engine/saved.py, and its record) and take "
+                             "it up again on a later run: a changed answer prompt or a new wim mode then costs "
+                             "answers, not reads (~0.5 GB a 16k case; past the window the last window only)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--model", default="embedded",
@@ -492,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit)
+                          args.context_limit, args.reads)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or

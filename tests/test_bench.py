@@ -190,3 +190,27 @@ def test_cases_are_reproducible_and_sized():
         if task in ("babilong", "multihop"):
             needles = a.info.get("chain", [])
             assert all(n in a.text for n in needles)
+
+
+def test_eval_takes_up_kept_reads(tmp_path):
+    """--reads keeps each case's wim read (cache and record); a later run answers from it without reading again,
+    with the answers a fresh read gives."""
+    shared("babi", "qa1_single-supporting-fact_test.txt")
+    reads = tmp_path / "reads"
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run("bench.eval", first, "--task", "babilong,multihop", "--modes", "wim-margin", "--reads", str(reads))
+    _run("bench.eval", second, "--task", "babilong,multihop", "--modes", "wim-margin,wim-reader",
+         "--reads", str(reads))
+
+    def records(folder):
+        lines = (folder / "eval_cases.jsonl").read_text().splitlines()
+        return {(r["case"], r["mode"]): r for r in map(json.loads, lines)}
+
+    a, b = records(first), records(second)
+    reads_a = {k: r for k, r in a.items() if k[1] == "wim-read"}
+    assert len(reads_a) == 2 and sorted(p.name for p in reads.iterdir()) == ["babilong-500-0", "multihop-500-0"]
+    for key, read in reads_a.items():
+        assert b[key]["seconds"] == read["seconds"] and b[key]["margins"] == read["margins"]  # not read again
+        case = key[0]
+        assert b[(case, "wim-margin")]["prediction"] == a[(case, "wim-margin")]["prediction"]
+        assert (case, "wim-reader") in b
