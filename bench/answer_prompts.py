@@ -10,6 +10,7 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - margins:     the paper's framing (notes written in the margin while reading part by part), cite the notes
                used, say when the document does not say;
 - margins-plain: the paper's framing, "answer in a few words" (cited afterwards, as `list`);
+- margins-unsure: the paper's framing, and say when the document does not say (no citation instruction);
 - list-cite:   the list, and cite the notes after the answer (the default before: at 16,000 tokens the 1.5B
                cited the instruction's example and answered with the note it cited);
 - list-unsure: the list, and say so when neither the document nor the notes answer;
@@ -48,6 +49,10 @@ from .eval import Evaluator, fingerprint, generate_cases, score
 
 _LIST = ("\n\nWhile reading, these notes were written in the margins:\n{margins}\n\n"
          "Using the document and the notes, answer the question: {query}\n")
+# The paper's framing: notes written in the margin while reading part by part (margins-plain, margins-unsure).
+_MARGINS = ("\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading order, "
+            "each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, answer the "
+            "question: {query}\n")
 # The answer's words first, each citation after them (list-cite-after and question-twice).
 _CITE_AFTER = "Answer in a few words: first the answer itself, then the notes it comes from in brackets, like " \
               "\"... [segment 3]\"."
@@ -60,9 +65,9 @@ CANDIDATES = {
                "each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, answer the "
                "question: {query}\nAnswer in a few words, and cite the notes you used, like [segment 3]. If the "
                "document does not say, answer \"The document does not say.\"",
-    "margins-plain": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading "
-                     "order, each tagged with the part it comes from:\n{margins}\n\nUsing the document and your notes, "
-                     "answer the question: {query}\nAnswer in a few words.",
+    "margins-plain": _MARGINS + "Answer in a few words.",
+    "margins-unsure": _MARGINS + "Answer in a few words. If the document does not say, answer \"The document "
+                                 "does not say.\"",
     "list-cite": _LIST + "Answer in a few words. After the answer, cite the notes it comes from, like [segment 3].",
     "list-unsure": _LIST + "Answer in a few words. If neither the document nor the notes answer the question, say "
                            "\"The document does not say.\"",
