@@ -54,6 +54,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from engine.classify import CLASSIFIERS
     from engine.wim import Settings
 
     on_space = bool(os.environ.get("SPACE_ID"))
@@ -82,9 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
-    p.add_argument("--classifier", choices=["margin", "llm", "embedding", "none"],
+    p.add_argument("--classifier", choices=CLASSIFIERS,
                    default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier),
-                   help="margin: relevance from the note itself; llm: the model says yes/no; embedding: MiniLM")
+                   help="combined: MiniLM, or a note sure of itself; margin: relevance from the note itself; llm: "
+                        "the model says yes/no; embedding: MiniLM; none: every note")
     p.add_argument("--margins", choices=["extractive", "scored", "abstractive"],
                    default=os.environ.get("MARGINALIA_MARGINS", Settings.margins),
                    help="extractive: sentences copied from the text; abstractive: free-form notes "

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .answering import ANSWER_STYLES
 from .classify import CLASSIFIERS
 from .documents import IngestError, load_document
 from .group_notes import OVERFLOWS
@@ -78,11 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "scoring every sentence; abstractive: free-form notes")
     read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier,
                       help="margin: relevance from the note itself (no second prompt); llm: the model says yes/no; "
-                           "embedding: MiniLM similarity; none: keep every note")
+                           "embedding: MiniLM similarity; combined: MiniLM, or a note sure of itself; none: keep "
+                           "every note")
     read.add_argument("--context-limit", type=int, default=None, help="tokens the KV cache may hold")
     read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     read.add_argument("--window", choices=WINDOWS, default=Settings.window,
                       help="past the context window: a new window carrying the margins, or a sliding cache")
+    read.add_argument("--answer-style", choices=ANSWER_STYLES, default=Settings.answer_style,
+                      help="past the context window, what the answer window holds: lookup (the kept notes' passages "
+                           "read again, then the notes) or notes (the last window and the notes)")
     read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
                       help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
                            "lowest-scored, or group them under notes written over each group")
@@ -183,7 +188,7 @@ def cmd_read(args) -> int:
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
                         temperature=args.temperature, context_limit=args.context_limit,
-                        window=args.window, overflow=args.overflow,
+                        window=args.window, overflow=args.overflow, answer_style=args.answer_style,
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()

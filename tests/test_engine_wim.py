@@ -126,6 +126,12 @@ def test_follow_up_reuses_cache_and_human_selection(engine):
                                         margins="- [segment 1] Alice's cat is Dinah."))
     assert stats.prefill_tokens == expected                                # no document tokens re-read
     assert reading.cache.length == doc_end
+    # With no note chosen, the answer prompt says so and lets the answer say the document does not say.
+    none = list(reading.answer("What is the name of Alice's cat?", margins=[]))
+    stats = [e for e in none if isinstance(e, Stats)][0]
+    assert [e for e in none if isinstance(e, Answer)][0].margins_used == []
+    assert reading.answering.window.ids == engine.layout.suffix("answer_no_notes", query="What is the name of Alice's cat?")
+    assert stats.prefill_tokens == len(reading.answering.window.ids) and reading.cache.length == doc_end
 
 
 def test_combined_classifier_keeps_what_minilm_or_the_note_itself_keeps(engine):
