@@ -293,6 +293,10 @@ def fingerprint(engine, args) -> str:
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
              *(["attention=fused"] if attention_kernel() == "fused" else []),
+             # decode weights asked for by name, not left to the engine (their sums differ: another record)
+             *([f"decode={chosen}"] if (chosen := getattr(args, "decode_weights", None)
+                                          or os.environ.get("MARGINALIA_DECODE_WEIGHTS"))
+               not in (None, "auto") else []),
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
@@ -474,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                              "answers, not reads (~0.5 GB a 16k case; past the window the last window only)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--decode-weights", default=None, help="engine/model.py's decode weights (default: auto)")
     parser.add_argument("--model", default="embedded",
                         help="`embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id (records are kept apart "
                              "by model: the fingerprint names it)")
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         save_cases(args.dump_cases, cases)
         log(f"wrote {len(cases)} cases to {args.dump_cases}")
         return 0
-    engine = load_engine(args.device, args.dtype, args.model)
+    engine = load_engine(args.device, args.dtype, args.model, args.decode_weights)
     tok = engine.lm.tokenizer
     fp = fingerprint(engine, args)
     cases = read_cases(args.cases) if args.cases else generate_cases(tok, tasks, lengths, args)
@@ -525,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             "segments": args.segments, "margin_tokens": args.margin_tokens,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
-            "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel()}
+            "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel(),
+            "decode_weights": engine.lm.info.get("decode_weights") if hasattr(engine.lm, "info") else None}
 
     if args.report:
         mine = []
