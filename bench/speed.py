@@ -63,11 +63,13 @@ def document(tokenizer, tokens: int) -> str:
 
 
 def settings_for(tokenizer, text: str, cfg: Config) -> dict:
-    """The engine's default settings (copied notes judged by their own relevance), sized for the benchmark;
-    or, with `margins="abstractive"`, the paper's free-form notes and a YES/NO classifier, every note decoded
-    to its full length (what an earlier version of this benchmark measured)."""
+    """The engine's default settings sized for the benchmark, with copied notes judged by their own relevance
+    (`margin`: the reference pattern judges notes with the model itself, so both sides judge alike; MiniLM's
+    verdict in the default `combined` costs milliseconds a note); or, with `margins="abstractive"`, the paper's
+    free-form notes and a YES/NO classifier, every note decoded to its full length (what an earlier version of
+    this benchmark measured)."""
     sized = dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,
-                 answer_tokens=cfg.answer_tokens, temperature=0.0, context_limit=cfg.window)
+                 answer_tokens=cfg.answer_tokens, temperature=0.0, context_limit=cfg.window, classifier="margin")
     if cfg.margins == "abstractive":
         return sized | dict(margins="abstractive", classifier="llm")
     return sized
