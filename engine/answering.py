@@ -143,8 +143,11 @@ class Answering:
         yield from r.runner.drain()
         text = complete_sentences(result.text, result.reason)
         if wim:  # cited by the notes that hold its words (engine/attribution.py), not by asking the model
+            sure = not says_not_stated(text)
+            held = in_cache or (set() if r.multiwindow else set(r.read_segments))  # the text the answer saw
             text = attributed(text, {i: t for i, t in notes.items() if i in used or i in in_cache}, query,
-                              lambda i: note_label(r.segments[i]), fallback=not says_not_stated(text))
+                              lambda i: note_label(r.segments[i]), fallback=sure,
+                              passages={i: r.doc.segment_text(r.segments[i]) for i in sorted(held)} if sure else None)
         yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
                      list(self.window.passages))
         yield r._stats("answer")

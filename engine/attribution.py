@@ -11,6 +11,12 @@ do not hold, say) stays uncited rather than cited at random. An answer no piece 
 name the notes spell otherwise) is cited, after its last piece, by the notes that share the most words with the
 question and the answer together: the notes it was given on the question's subject (`fallback`; off for an answer
 that says the document does not say). An answer the model cited itself is left as it is.
+
+An answer whose words no kept note holds came from the text in the cache: inside one window the whole document, past
+it the re-read passages. It is cited by the passages (`passages`) that hold the most of its words beyond the
+question's, before any fallback: a citation to a segment whose note was not kept, which the app shows as such.
+Measured on the long-document records (seed 0, 16,000 tokens), 3 of 33 default answers with a kept note cited none:
+the notes kept were about other things and the answer's words were in the document.
 """
 from __future__ import annotations
 
@@ -74,21 +80,18 @@ def best_notes(piece: str, notes: dict[int, set[str]], asked: set[str], most: in
 
 
 def attributed(text: str, notes: dict[int, str], query: str, label: Callable[[int], str],
-               fallback: bool = True) -> str:
-    """`text` with a citation ("[segment 3]", named by `label`) after each piece whose words a note holds; with
-    `fallback`, an answer none of whose pieces could be cited is cited by the notes closest to question and
+               fallback: bool = True, passages: dict[int, str] | None = None) -> str:
+    """`text` with a citation ("[segment 3]", named by `label`) after each piece whose words a note holds; an
+    answer none of whose pieces a note holds, cited by the `passages` (segment index: text in the cache) that hold
+    its pieces' words; with `fallback`, an answer still uncited is cited by the notes closest to question and
     answer together."""
-    if not notes or not text.strip() or CITATION.search(text):
+    if not (notes or passages) or not text.strip() or CITATION.search(text):
         return text
     note_words = {i: content_words(t) for i, t in notes.items() if t}
     asked = content_words(query)
-    out, start = [], 0
-    for end in [m.start() for m in _PIECE_END.finditer(text)] + [len(text)]:
-        piece = text[start:end]
-        out.append(_cite(piece, note_words, asked, label))
-        out.append(text[end:_next_start(text, end)])
-        start = _next_start(text, end)
-    cited_text = "".join(out)
+    cited_text = _cite_pieces(text, note_words, asked, label)
+    if cited_text == text and passages:
+        cited_text = _cite_pieces(text, {i: content_words(t) for i, t in passages.items() if t}, asked, label)
     if cited_text != text or not fallback:
         return cited_text
     found = best_notes(f"{query} {text}", note_words, set())
@@ -96,6 +99,15 @@ def attributed(text: str, notes: dict[int, str], query: str, label: Callable[[in
         return text
     tail = _TRAILING.search(text).start()
     return text[:tail] + "".join(f" [{label(i)}]" for i in found) + text[tail:]
+
+
+def _cite_pieces(text: str, words: dict[int, set[str]], asked: set[str], label: Callable[[int], str]) -> str:
+    out, start = [], 0
+    for end in [m.start() for m in _PIECE_END.finditer(text)] + [len(text)]:
+        out.append(_cite(text[start:end], words, asked, label))
+        out.append(text[end:_next_start(text, end)])
+        start = _next_start(text, end)
+    return "".join(out)
 
 
 def _next_start(text: str, end: int) -> int:

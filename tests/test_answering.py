@@ -55,5 +55,23 @@ def test_an_answer_is_cited_by_the_notes_that_hold_its_words():
     # Cited by the model already: left as it is.
     assert attributed("The hallway [segment 2].", notes, "Where is Mary?", _label) == "The hallway [segment 2]."
     assert attributed("The hallway.", {}, "Where is Mary?", _label) == "The hallway."
+
+
+def test_an_answer_no_kept_note_holds_is_cited_by_the_passages_in_the_cache():
+    notes = {4: "The cook kept a large cat.", 8: "The Dormouse slowly opened his eyes."}
+    passages = {1: "Daniel took the football there. The Dormouse slept.", 3: "Daniel went to the hallway.",
+                6: "Sandra went to the garden.", 8: "The Dormouse slowly opened his eyes."}
+    # The notes hold none of the answer's words: the passage holding them beyond the question's (hallway) is cited,
+    # a segment whose note was not kept.
+    assert attributed("The football is in the hallway.", notes, "Where is the football?", _label,
+                      passages=passages) == "The football is in the hallway [segment 4]."
+    # A note that holds the words comes first; the passages are not asked.
+    assert attributed("The Dormouse.", notes, "Who slept?", _label, passages=passages) == \
+        "The Dormouse [segment 9]."
+    # Words in neither: the fallback by question and answer together, as without passages.
+    assert attributed("In 1956.", notes, "When did the cook buy the cat?", _label, passages=passages) == \
+        "In 1956 [segment 5]."
+    # No kept note at all, the document in the cache: cited by the passages alone.
+    assert attributed("The garden.", {}, "Where is Sandra?", _label, passages=passages) == "The garden [segment 7]."
     assert cited(attributed("Galbor", {12: "The Golden Bell Tannery is in the town of Galbor."},
                             "In which town does Dunithrel Romar work?", _label), 16) == [12]
