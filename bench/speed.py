@@ -64,8 +64,8 @@ def document(tokenizer, tokens: int) -> str:
 
 def settings_for(tokenizer, text: str, cfg: Config) -> dict:
     """The engine's default settings sized for the benchmark, with copied notes judged by their own relevance
-    (`margin`: the reference pattern judges notes with the model itself, so both sides judge alike; MiniLM's
-    verdict in the default `combined` costs milliseconds a note); or, with `margins="abstractive"`, the paper's
+    (`margin`: the reference pattern judges notes with the model itself, so both sides judge alike; the default
+    `combined` adds MiniLM's verdicts, which this benchmark does not time); or, with `margins="abstractive"`, the paper's
     free-form notes and a YES/NO classifier, every note decoded to its full length (what an earlier version of
     this benchmark measured)."""
     sized = dict(segment_tokens=segment_tokens_for(text, tokenizer, cfg.segments), margin_tokens=cfg.margin_tokens,

@@ -55,6 +55,8 @@ def test_an_answer_is_cited_by_the_notes_that_hold_its_words():
     # Cited by the model already: left as it is.
     assert attributed("The hallway [segment 2].", notes, "Where is Mary?", _label) == "The hallway [segment 2]."
     assert attributed("The hallway.", {}, "Where is Mary?", _label) == "The hallway."
+    assert cited(attributed("Galbor", {12: "The Golden Bell Tannery is in the town of Galbor."},
+                            "In which town does Dunithrel Romar work?", _label), 16) == [12]
 
 
 def test_an_answer_no_kept_note_holds_is_cited_by_the_passages_in_the_cache():
@@ -73,5 +75,3 @@ def test_an_answer_no_kept_note_holds_is_cited_by_the_passages_in_the_cache():
         "In 1956 [segment 5]."
     # No kept note at all, the document in the cache: cited by the passages alone.
     assert attributed("The garden.", {}, "Where is Sandra?", _label, passages=passages) == "The garden [segment 7]."
-    assert cited(attributed("Galbor", {12: "The Golden Bell Tannery is in the town of Galbor."},
-                            "In which town does Dunithrel Romar work?", _label), 16) == [12]
