@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-from .attribution import attributed, cited
+from .attribution import attributed, cited, without_citations
 from .events import Answer, AnswerToken, Event, Notice
 from .generate import DecodeResult, Meter, Stopped
 from .prompts import fit_notes, note_lines, prompt
@@ -65,8 +65,35 @@ def complete_sentences(text: str, ending: str) -> str:
     text = text.strip()
     if ending not in ("limit", "repeat"):
         return text
+    if ending == "repeat":
+        text = without_repeated_items(text)
     ends = [m.end() for m in _SENTENCE_END.finditer(text)]
     return text[:ends[-1]].strip() if ends else text
+
+
+_ITEM_SEPARATOR = re.compile(r"(,\s*|;\s*|\n+)")
+
+
+def without_repeated_items(text: str) -> str:
+    """A list whose loop began by naming items again ("Trowel, lute, trowel, pocket watch"): the loop check drops
+    the repeated tail token for token, but an item whose copy is tokenized apart (the first item has no space
+    before it) survives it; leave out each item an earlier one already names, with the separator before it."""
+    parts = _ITEM_SEPARATOR.split(text)  # item, separator, item, ...
+    if len(parts) < 3:
+        return text
+    seen, kept = set(), [parts[0]]
+    seen.add(_item_key(parts[0]))
+    for separator, item in zip(parts[1::2], parts[2::2]):
+        key = _item_key(item)
+        if key and key in seen:
+            continue
+        seen.add(key)
+        kept += [separator, item]
+    return "".join(kept).strip()
+
+
+def _item_key(item: str) -> str:
+    return re.sub(r"\W+", " ", without_citations(item)).strip().lower()
 
 
 @dataclass

@@ -24,6 +24,21 @@ def test_an_answer_cut_at_its_cap_ends_at_its_last_sentence():
     assert complete_sentences("Done. And more", "end") == "Done. And more"  # ended by the model: as it is
 
 
+def test_a_list_ended_by_its_loop_drops_the_items_it_named_again():
+    # As recorded (aggregation, 16k, seed 0): the list's first item came back, cited alike, and the loop stop
+    # ended the answer there.
+    looped = ("compass [segment 13] [segment 16], violin [segment 3] [segment 12], flagon [segment 6], "
+              "trowel [segment 8], compass [segment 13] [segment 16]")
+    assert complete_sentences(looped, "repeat") == ("compass [segment 13] [segment 16], violin [segment 3] "
+                                                    "[segment 12], flagon [segment 6], trowel [segment 8]")
+    assert complete_sentences("- Lamp\n- padlock [segment 11]\n- lamp", "repeat") == "- Lamp\n- padlock [segment 11]"
+    assert complete_sentences("Trowel [segment 2], lute [segment 4], trowel [segment 2], pocket watch [segment 14]",
+                              "repeat") == "Trowel [segment 2], lute [segment 4], pocket watch [segment 14]"
+    assert complete_sentences(looped, "end") == looped  # the model ended it: as it is
+    distinct = "He went to the hall, then to the kitchen, then to the hall again"
+    assert complete_sentences(distinct, "repeat") == distinct  # no item named twice
+
+
 def test_not_stated_answers_and_note_labels():
     assert says_not_stated("The document does not say.") and says_not_stated("The date is not stated.")
     assert not says_not_stated("It says the rule takes effect in 2021.")
