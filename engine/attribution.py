@@ -30,8 +30,10 @@ _STOP = frozenset(
     "then so such also only just very too can could would should will shall may might must about up down out off "
     "one all any each some most more other same answer question document note notes segment segments page".split())
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
-# Pieces of an answer: sentences (a stop followed by a space) and list items (a comma, semicolon or line break).
-_PIECE_END = re.compile(r"(?<=[.!?])\s+|(?<=[,;])\s+|\n+")
+# Pieces of an answer: sentences (a stop followed by a space) and list items (a comma, semicolon or line break),
+# but not the comma of a date ("August 3, 2020"): a year cut off as a piece of its own was cited by any note that
+# held the year.
+_PIECE_END = re.compile(r"(?<=[.!?])\s+|(?<=[,;])\s+(?!\d)|\n+")
 _TRAILING = re.compile(r"[\s.,;:!?\"'”’)]*$")
 # "[segment 12]", "[segments 3 and 5]", "[segment 3, page 2]", "[segments 4-6]": one citation each.
 CITATION = re.compile(r"\[\s*(?:segments?|parts?)\s+([0-9][0-9,;\s\-–and]*)(?:,?\s*pages?\s+[0-9\-–]+)?\s*\]",

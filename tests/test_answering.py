@@ -90,3 +90,16 @@ def test_an_answer_no_kept_note_holds_is_cited_by_the_passages_in_the_cache():
         "In 1956 [segment 5]."
     # No kept note at all, the document in the cache: cited by the passages alone.
     assert attributed("The garden.", {}, "Where is Sandra?", _label, passages=passages) == "The garden [segment 7]."
+
+
+def test_a_date_is_one_piece_and_is_cited_by_the_note_that_holds_it():
+    # As walked in the app (the Federal Register PDF): the year, cut off at the date's comma, was cited by every
+    # note that held "2020"; the whole date is one piece, cited by the note holding the day and month too.
+    notes = {0: "Issued in Washington, DC, on August 3, 2020.", 8: "Comments must be received by October 2, 2020.",
+             15: "The proposed rule was published in 2020 under docket FAA-2020-0712."}
+    answer = attributed("The rule takes effect on August 3, 2020.", notes,
+                        "When does this rule take effect, and what does it require?", _label)
+    assert answer == "The rule takes effect on August 3, 2020 [segment 1]."
+    listed = attributed("Comments close on October 2, 2020, and the docket is FAA-2020-0712.", notes,
+                        "When do comments close?", _label)
+    assert cited(listed, 20) == [8, 15]
