@@ -74,7 +74,11 @@ def best_notes(piece: str, notes: dict[int, set[str]], asked: set[str], most: in
     words = content_words(piece) - asked
     if not words:
         return []
-    overlap = {i: len(words & w) for i, w in notes.items()}
+    # Numbers alone (a year, a day) do not tie a piece that has words to a note: "August 3, 2020" is not in a
+    # note that holds only "2020" (the Federal Register answer was cited by two such notes).
+    needs_word = any(not w.isdigit() for w in words)
+    overlap = {i: len(words & w) if not needs_word or any(not x.isdigit() for x in words & w) else 0
+               for i, w in notes.items()}
     top = max(overlap.values(), default=0)
     if top == 0:
         return []

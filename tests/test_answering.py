@@ -92,14 +92,20 @@ def test_an_answer_no_kept_note_holds_is_cited_by_the_passages_in_the_cache():
     assert attributed("The garden.", {}, "Where is Sandra?", _label, passages=passages) == "The garden [segment 7]."
 
 
-def test_a_date_is_one_piece_and_is_cited_by_the_note_that_holds_it():
-    # As walked in the app (the Federal Register PDF): the year, cut off at the date's comma, was cited by every
-    # note that held "2020"; the whole date is one piece, cited by the note holding the day and month too.
-    notes = {0: "Issued in Washington, DC, on August 3, 2020.", 8: "Comments must be received by October 2, 2020.",
-             15: "The proposed rule was published in 2020 under docket FAA-2020-0712."}
-    answer = attributed("The rule takes effect on August 3, 2020.", notes,
-                        "When does this rule take effect, and what does it require?", _label)
-    assert answer == "The rule takes effect on August 3, 2020 [segment 1]."
-    listed = attributed("Comments close on October 2, 2020, and the docket is FAA-2020-0712.", notes,
-                        "When do comments close?", _label)
-    assert cited(listed, 20) == [8, 15]
+def test_a_date_is_cited_by_a_note_holding_more_than_its_year():
+    # As walked in the app (the Federal Register PDF): "August 3, 2020", the notice's issue date, was cited by
+    # the notes that held only "2020" (the comment deadline, a docket number). The date is one piece (not cut at
+    # its comma), and a number alone does not tie a piece with words to a note.
+    question = "When does this rule take effect, and what does it require?"
+    answer = "The rule takes effect on August 3, 2020."
+    notes = {0: "The FAA must receive comments on this proposed AD by September 21, 2020.",
+             8: "For those procedures, search for Docket No. FAA-2020-0686."}
+    assert attributed(answer, notes, question, _label, fallback=False) == answer  # no note holds the date
+    issued = {**notes, 16: "Issued in Des Moines, Washington, on August 3, 2020."}
+    assert attributed(answer, issued, question, _label) == "The rule takes effect on August 3, 2020 [segment 17]."
+    passages = {3: "Issued in Des Moines, Washington, on August 3, 2020. Lance T. Gant, Director."}
+    assert attributed(answer, notes, question, _label, passages=passages) == \
+        "The rule takes effect on August 3, 2020 [segment 4]."  # the passage in the cache that holds it
+    # A piece that is only a number is still cited by the note holding it.
+    assert attributed("In 2020.", {4: "The new MMEL was published on April 10, 2020."},
+                      "In what year was the new MMEL published?", _label) == "In 2020 [segment 5]."
