@@ -29,13 +29,18 @@ pass at 7.5k tokens of context: 118 -> 65 ms for SmolLM2's shape, 219 -> 172 ms 
 with repeated heads against 4 MiB) no longer raise the peak memory of a long read. Same result bit for bit in
 fp32.
 
-Opt-in, MARGINALIA_ATTENTION=fused: passes of several tokens (with a mask, or causal with no past) go to the
-fused bf16 kernel of engine/kernels (online softmax, bf16 dot products), where it loaded and takes the call;
-anything else keeps the paths above. Not the default: its numbers differ from torch's (within bf16 rounding),
-and a numeric change becomes the default only after a quality evaluation.
+On a CPU with AVX-512 BF16 and no AMX (MARGINALIA_ATTENTION unset or `auto`; `fused` or `torch` force either):
+passes of several tokens (with a mask, or causal with no past) go to the fused bf16 kernel of engine/kernels
+(online softmax, bf16 dot products), where it loaded and takes the call; anything else keeps the paths above.
+There torch's kernel ran attention at a third of the matmul rate and the fused one at ~4.5x torch's (a 4k
+prefill 1.43x faster, AMD EPYC). With AMX torch's kernel is the faster one: 777 against 187 GFLOP/s at 4k, a 4k
+prefill 10.5 against 17.2 s (Intel Xeon), so it stays. Quality, `bench.eval` at 4k (48 cases, seed 0, Intel
+Xeon): WiM 0.458 with torch's kernel, 0.450 with the fused one, the same answer on 37 of 48; plain reading
+0.488 and 0.467, 41 of 48 (docs/speed-and-memory.md).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -105,7 +110,18 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
 
 
 def fused_enabled() -> bool:
-    return os.environ.get("MARGINALIA_ATTENTION") == "fused"
+    """Whether passes of several tokens try engine/kernels' fused kernel (see the module's docstring)."""
+    choice = os.environ.get("MARGINALIA_ATTENTION", "auto")
+    if choice == "auto":
+        return _fused_is_faster_here()
+    return choice == "fused"
+
+
+@functools.cache
+def _fused_is_faster_here() -> bool:
+    from .kernels import cpu_flags
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def _fused(module, query, key, value, attention_mask, scaling, dropout, kwargs):

@@ -77,14 +77,19 @@ def test_unsupported_calls_fall_back():
     assert kernels.flash_attention(q2, k2, v2, causal_mask(8, 100), None) is None  # head_dim 96
 
 
-def test_opt_in_through_engine_attention(monkeypatch):
-    """MARGINALIA_ATTENTION=fused routes a masked pass to the kernel; unset, the same call keeps torch's path."""
+def test_engine_attention_takes_the_kernel_where_it_is_the_faster(monkeypatch):
+    """MARGINALIA_ATTENTION=fused routes a masked pass to the kernel and `torch` keeps torch's path; unset (auto),
+    the kernel runs on a CPU with AVX-512 BF16 and no AMX, where it is the faster (with AMX torch's is)."""
     query, key, value = inputs(12, 2, 128, 512, 2048)
     mask = causal_mask(512, 2048)
-    monkeypatch.delenv("MARGINALIA_ATTENTION", raising=False)
+    monkeypatch.setenv("MARGINALIA_ATTENTION", "torch")
     plain, _ = attention(None, query, key, value, mask, scaling=None)
     monkeypatch.setenv("MARGINALIA_ATTENTION", "fused")
     fused, _ = attention(None, query, key, value, mask, scaling=None)
     assert torch.equal(fused, kernels.flash_attention(query, key, value, mask, None))
     assert not torch.equal(fused, plain)  # a different kernel: the same values within bf16 rounding only
     assert (fused.float() - plain.float()).abs().max().item() < 0.02
+    monkeypatch.delenv("MARGINALIA_ATTENTION")
+    automatic, _ = attention(None, query, key, value, mask, scaling=None)
+    flags = kernels.cpu_flags()
+    assert torch.equal(automatic, fused if "amx_bf16" not in flags else plain)
