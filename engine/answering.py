@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-from .attribution import attributed, cited, without_citations
+from .attribution import PIECE_END, attributed, cited, without_citations
 from .events import Answer, AnswerToken, Event, Notice
 from .generate import DecodeResult, Meter, Stopped
 from .prompts import fit_notes, note_lines, prompt
@@ -71,25 +71,26 @@ def complete_sentences(text: str, ending: str) -> str:
     return text[:ends[-1]].strip() if ends else text
 
 
-_ITEM_SEPARATOR = re.compile(r"(,\s*|;\s*|\n+)")
+# An answer's pieces as attribution splits them (sentences, list items; a date's comma inside its piece), with
+# the separators kept so the text can be put back together.
+_PIECES = re.compile(f"({PIECE_END.pattern})")
 
 
 def without_repeated_items(text: str) -> str:
     """A list whose loop began by naming items again ("Trowel, lute, trowel, pocket watch"): the loop check drops
     the repeated tail token for token, but an item whose copy is tokenized apart (the first item has no space
     before it) survives it; leave out each item an earlier one already names, with the separator before it."""
-    parts = _ITEM_SEPARATOR.split(text)  # item, separator, item, ...
+    parts = _PIECES.split(text)  # item, separator, item, ...
     if len(parts) < 3:
         return text
-    seen, kept = set(), [parts[0]]
-    seen.add(_item_key(parts[0]))
+    seen, kept = {_item_key(parts[0])}, [parts[0]]
     for separator, item in zip(parts[1::2], parts[2::2]):
         key = _item_key(item)
         if key and key in seen:
             continue
         seen.add(key)
         kept += [separator, item]
-    return "".join(kept).strip()
+    return "".join(kept).strip().rstrip(",;").rstrip()  # a dropped last item leaves its separator's comma
 
 
 def _item_key(item: str) -> str:

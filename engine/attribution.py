@@ -33,7 +33,7 @@ _WORD = re.compile(r"[^\W_]+", re.UNICODE)
 # Pieces of an answer: sentences (a stop followed by a space) and list items (a comma, semicolon or line break),
 # but not the comma of a date ("August 3, 2020"): a year cut off as a piece of its own was cited by any note that
 # held the year.
-_PIECE_END = re.compile(r"(?<=[.!?])\s+|(?<=[,;])\s+(?!\d)|\n+")
+PIECE_END = re.compile(r"(?<=[.!?])\s+|(?<=[,;])\s+(?!\d)|\n+")
 _TRAILING = re.compile(r"[\s.,;:!?\"'”’)]*$")
 # "[segment 12]", "[segments 3 and 5]", "[segment 3, page 2]", "[segments 4-6]": one citation each.
 CITATION = re.compile(r"\[\s*(?:segments?|parts?)\s+([0-9][0-9,;\s\-–and]*)(?:,?\s*pages?\s+[0-9\-–]+)?\s*\]",
@@ -77,8 +77,12 @@ def best_notes(piece: str, notes: dict[int, set[str]], asked: set[str], most: in
     # Numbers alone (a year, a day) do not tie a piece that has words to a note: "August 3, 2020" is not in a
     # note that holds only "2020" (the Federal Register answer was cited by two such notes).
     needs_word = any(not w.isdigit() for w in words)
-    overlap = {i: len(words & w) if not needs_word or any(not x.isdigit() for x in words & w) else 0
-               for i, w in notes.items()}
+
+    def overlap_with(note: set[str]) -> int:
+        shared = words & note
+        return len(shared) if not needs_word or any(not w.isdigit() for w in shared) else 0
+
+    overlap = {i: overlap_with(w) for i, w in notes.items()}
     top = max(overlap.values(), default=0)
     if top == 0:
         return []
@@ -109,7 +113,7 @@ def attributed(text: str, notes: dict[int, str], query: str, label: Callable[[in
 
 def _cite_pieces(text: str, words: dict[int, set[str]], asked: set[str], label: Callable[[int], str]) -> str:
     out, start = [], 0
-    for end in [m.start() for m in _PIECE_END.finditer(text)] + [len(text)]:
+    for end in [m.start() for m in PIECE_END.finditer(text)] + [len(text)]:
         out.append(_cite(text[start:end], words, asked, label))
         out.append(text[end:_next_start(text, end)])
         start = _next_start(text, end)
@@ -117,7 +121,7 @@ def _cite_pieces(text: str, words: dict[int, set[str]], asked: set[str], label: 
 
 
 def _next_start(text: str, end: int) -> int:
-    m = _PIECE_END.match(text, end)
+    m = PIECE_END.match(text, end)
     return m.end() if m else end
 
 

@@ -37,6 +37,8 @@ def test_a_list_ended_by_its_loop_drops_the_items_it_named_again():
     assert complete_sentences(looped, "end") == looped  # the model ended it: as it is
     distinct = "He went to the hall, then to the kitchen, then to the hall again"
     assert complete_sentences(distinct, "repeat") == distinct  # no item named twice
+    dates = "Comments close on October 2, 2020; the notice was issued on August 3, 2020"
+    assert complete_sentences(dates, "repeat") == dates  # a year after a date's comma is not an item
 
 
 def test_not_stated_answers_and_note_labels():
