@@ -1,8 +1,8 @@
 """`python -m bench.decode_kernels [--model qwen2.5-1.5b] [--threads 2]`: one decode step with the `gguf` decode
 copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
-weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step five ways in turn
+weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step six ways in turn
 (full weights; the 4-bit copies only; the 6- and 8-bit copies only; both; both with the inputs rounded to int8
-blocks, `gguf-q8`), at the context a 512-token prefill left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
+blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py), at the context a 512-token prefill left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from .common import RESULTS, cpu_name, load_engine, md_table, median, prose, wri
 # way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8)
 WAYS = {"full weights": (False, False, False), "4-bit copies": (True, False, False),
         "6- and 8-bit copies": (False, True, False), "all copies (gguf)": (True, True, False),
-        "all copies, int8 inputs (gguf-q8)": (True, True, True)}
+        "all copies, int8 inputs (gguf-q8)": (True, True, True),
+        "gguf-q8, the written-out step": (True, True, True)}
+WRITTEN_OUT = "gguf-q8, the written-out step"  # engine/decode_step.py, which the runner takes for gguf-q8
 
 
 def main(argv=None) -> int:
@@ -30,6 +32,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine import packed
+    from engine.decode_step import DecodeStep
     torch.set_num_threads(args.threads)
     lm = load_engine("cpu", args.dtype, args.model, decode_weights="gguf").lm
     ids = lm.tokenizer(prose(lm.tokenizer, args.context + 100), add_special_tokens=False)["input_ids"]
@@ -43,6 +46,7 @@ def main(argv=None) -> int:
     scales = {round_x: [{k: (v.half() if round_x else v) for k, v in m._buffers.items() if k in ("scale", "low")}
                         for m in copies] for round_x in (False, True)}
     times = {way: [] for way in WAYS}
+    written_out = None  # built once the copies are gguf-q8's
     try:
         for rep in range(args.reps + 1):  # the first round warms up
             for way, (q4, q8, round_x) in WAYS.items():
@@ -51,8 +55,13 @@ def main(argv=None) -> int:
                 for copy, buffers in zip(copies, scales[round_x]):
                     copy.round_x = round_x
                     copy._buffers.update(buffers)
+                if way == WRITTEN_OUT:
+                    written_out = written_out or DecodeStep.of(lm.model)
                 t = time.perf_counter()
-                runner.forward([ids[-1]], cache)
+                if way == WRITTEN_OUT:
+                    written_out(ids[-1], args.context, cache)
+                else:
+                    runner.forward([ids[-1]], cache)
                 if rep:
                     times[way].append(time.perf_counter() - t)
                 cache.truncate(args.context)
@@ -70,7 +79,7 @@ def main(argv=None) -> int:
     table = md_table(["decode step with", "ms", "tok/s", "time / full weights"],
                      [[r["way"], f"{r['ms']:.0f}", f"{r['tok_s']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
     text = (f"# Decode steps on the GGUF's own values\n\n{lm.name}, {dtype}, {args.threads} thread(s), {meta['cpu']}; "
-            f"one step at {args.context} tokens of context, medians of {args.reps}, the five ways in turn in one "
+            f"one step at {args.context} tokens of context, medians of {args.reps}, the six ways in turn in one "
             f"process.\n\n{table}\n")
     slug = lm.name.split()[0].lower()
     name = f"decode_kernels_{slug}_{dtype}_{args.threads}t"

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from .cache import cache_keyword, make_cache
+from .decode_step import DecodeStep
 
 class Stopped(Exception):
     """The caller's stop flag was set; the cache is left at a consistent length."""
@@ -93,6 +94,7 @@ class Runner:
         self.meter = meter or Meter()
         self.stop_ids = self._stop_ids()
         self.cache_keyword = cache_keyword(model)  # `cache` or, before transformers 5.24, `past_key_values`
+        self.decode_step = DecodeStep.of(model)  # None unless every linear has a gguf-q8 copy
 
     def new_cache(self, capacity: int):
         return make_cache(self.model, capacity)
@@ -128,6 +130,9 @@ class Runner:
         start at the same position)."""
         if stop is not None and stop.is_set():
             raise Stopped()
+        if self.decode_step is not None and len(ids) == 1 and attention_mask is None and positions is None \
+                and not all_logits and keep is None:  # a decode step: the same logits, fewer calls
+            return self.decode_step(ids[0], cache.length if position_start is None else position_start, cache)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         if positions is None:
             start = cache.length if position_start is None else position_start

@@ -109,6 +109,28 @@ class Int8Linear(_DecodeCopy):
         return gemv_int8(x, self.q, self.scale, self.round_x)
 
 
+class SharedInput:
+    """Several `gguf-q8` copies that take the same input (a layer's q, k and v; its gate and up), multiplied in
+    one kernel call (engine/kernels' gemv_q8_many: the input rounded once, their rows split over the threads
+    together) with the same values as their own calls. Biases are the caller's."""
+
+    def __init__(self, linears: list[Q4Linear | Int8Linear]):
+        self.linears = linears
+        self.weights = [m.packed if isinstance(m, Q4Linear) else m.q for m in linears]
+        self.scales = [m.scale for m in linears]
+        self.lows = [m.low if isinstance(m, Q4Linear) else m.scale.new_empty(0, 0) for m in linears]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x fp32 [rows <= DECODE_ROWS, K], contiguous -> [rows, N_i] fp32 for each copy."""
+        from .kernels import gemv_q8_many
+        ys = gemv_q8_many(x, self.weights, self.scales, self.lows)
+        if ys is None:  # refused: each copy on its own, else the full weights
+            ys = [m.few_rows(x) for m in self.linears]
+            if any(y is None for y in ys):
+                ys = [F.linear(x.to(m.weight.dtype), m.weight).float() for m in self.linears]
+        return ys
+
+
 INT8_KINDS = {"Q6_K": 16, "Q8_0": 32}  # block type -> values per scale
 
 

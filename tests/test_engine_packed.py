@@ -152,6 +152,61 @@ def test_the_int8_input_kernels_are_within_the_rounding_of_x(group):
     assert kernels.gemv_int8(x, q8, scale8, round_x=True) is None  # fp32 scales: refused, not misread
 
 
+@needs_gemv
+def test_one_call_for_several_matrices_gives_their_own_calls_values():
+    """gemv_q8_many (a layer's q, k and v, or gate and up, in one call): each matrix's output is its own
+    gemv_q4/gemv_int8 call's, bit for bit, for a mix of 4-bit and int8 (groups of 16 and 32) matrices whose rows
+    do not fall on the threads' grain of 64; too many rows are refused."""
+    torch.manual_seed(1)
+    K = 512
+    q4 = torch.randint(0, 256, (200, K // 2), dtype=torch.uint8)
+    scale4, low4 = (torch.rand(200, K // 32) * 0.01).half(), (torch.randn(200, K // 32) * 0.05).half()
+    q16, scale16 = torch.randint(-128, 128, (70, K), dtype=torch.int8), (torch.rand(70, K // 16) * 0.01).half()
+    q32, scale32 = torch.randint(-128, 128, (130, K), dtype=torch.int8), (torch.rand(130, K // 32) * 0.01).half()
+    empty = scale16.new_empty(0, 0)
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows in (1, 3, 4):
+            x = torch.randn(rows, K)
+            ys = kernels.gemv_q8_many(x, [q4, q16, q32], [scale4, scale16, scale32], [low4, empty, empty])
+            alone = [kernels.gemv_q4(x, q4, scale4, low4, round_x=True),
+                     kernels.gemv_int8(x, q16, scale16, round_x=True), kernels.gemv_int8(x, q32, scale32, round_x=True)]
+            assert [y.shape for y in ys] == [(rows, 200), (rows, 70), (rows, 130)]
+            assert all(torch.equal(a, b) for a, b in zip(ys, alone))
+    torch.set_num_threads(before)
+    assert kernels.gemv_q8_many(torch.randn(5, K), [q4], [scale4], [low4]) is None
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_written_out_decode_step_gives_transformers_logits(dtype):
+    """engine/decode_step.py, taken for every one-token step when all linears carry gguf-q8 copies: 24 greedy
+    steps give transformers' logits and cache keys bit for bit (the same operations in the same order; q, k and v
+    in one kernel call). Other decode weights keep transformers' forward."""
+    lm = load_model("embedded", "cpu", dtype, decode_weights="gguf-q8")
+    written_out = Runner(lm.model, lm.tokenizer, lm.device)
+    assert written_out.decode_step is not None
+    transformers_forward = Runner(lm.model, lm.tokenizer, lm.device)
+    transformers_forward.decode_step = None
+    prompt = lm.tokenizer("Mary went to the kitchen. John moved to the garden. Where is Mary? Mary is in").input_ids
+    runs = []
+    for runner in (written_out, transformers_forward):
+        cache = runner.new_cache(len(prompt) + 25)
+        logits, steps = runner.prefill(prompt, cache), []
+        for _ in range(24):
+            steps.append(logits)
+            logits = runner.forward([int(logits.argmax())], cache)
+        runs.append((steps, cache.layers[-1].keys[:, :, :cache.length].clone(), cache.length))
+    (a, keys_a, length_a), (b, keys_b, length_b) = runs
+    assert length_a == length_b == len(prompt) + 24
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(keys_a, keys_b)
+    assert a[0].dtype == torch.float32
+    for weights in ("gguf", "full"):
+        other = load_model("embedded", "cpu", dtype, decode_weights=weights)
+        assert Runner(other.model, other.tokenizer, other.device).decode_step is None
+
+
 def forced_steps(lm, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
     """The logits before each of `tokens`, fed one decode step at a time after `prompt` (teacher forcing: one
     near-tie decided the other way does not change every later step)."""

@@ -170,6 +170,24 @@ def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     return _gemv("gemv_q4_q8" if round_x else "gemv_q4_groups", x, packed, scale, low)
 
 
+def gemv_q8_many(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor],
+                 lows: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """x [rows <= 4, K] fp32 times several matrices at once (gemv_q4's and gemv_int8's with round_x: weights[i]
+    uint8 4-bit packs or int8 values, scales[i] and lows[i] fp16, an int8 matrix's low an empty tensor): x rounded
+    once, one split of all their output rows over the threads -> [rows, N_i] fp32 each, bit for bit the single
+    calls' values; or None likewise."""
+    if GEMV.load() is None:
+        return None
+    try:
+        return torch.ops.marginalia_gemv.gemv_q8_many(x, weights, scales, lows)
+    except RuntimeError as error:
+        global _call_failed
+        if not _call_failed:
+            log.warning("gemv_q8_many refused a call, using the full weights: %s", str(error).splitlines()[0])
+            _call_failed = True
+        return None
+
+
 def _gemv(name: str, x: torch.Tensor, *matrix: torch.Tensor) -> torch.Tensor | None:
     if GEMV.load() is None:
         return None

@@ -354,6 +354,50 @@ torch::Tensor gemv_q4_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   return y;
 }
 
+// Several matrices that take the same input (a layer's q, k and v; its gate and up) in one call: x rounded to
+// int8 blocks once, and one split of all their output rows over the threads, so that a small matrix (k's 256 rows)
+// does not cost a round of thread start-up of its own. Matrix i is 4-bit (packed uint8 [N_i, K / 2], scale and low
+// fp16 [N_i, K / 32]) or int8 (q int8 [N_i, K], scale fp16 [N_i, K / 16 or 32]; its low is an empty tensor).
+// Each output row is computed by the same code as gemv_q4_q8's or gemv_int8_q8's, so the values are theirs bit
+// for bit.
+std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                        std::vector<torch::Tensor> scales, std::vector<torch::Tensor> lows) {
+  const size_t count = weights.size();
+  TORCH_CHECK(count >= 1 && scales.size() == count && lows.size() == count, "gemv_q8_many: one scale and low a matrix");
+  std::vector<int64_t> groups(count), first(count + 1, 0);  // first[i]: matrix i's first row among all of them
+  for (size_t i = 0; i < count; ++i) {
+    if (weights[i].scalar_type() == at::kByte) {
+      check_q4("gemv_q8_many", x, weights[i], scales[i], lows[i], at::kHalf);
+      groups[i] = 0;
+    } else {
+      groups[i] = check_int8("gemv_q8_many", x, weights[i], scales[i], at::kHalf);
+    }
+    first[i + 1] = first[i] + weights[i].size(0);
+  }
+  const int64_t rows = x.size(0), K = x.size(1);
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), rows, K);
+  std::vector<torch::Tensor> ys(count);
+  for (size_t i = 0; i < count; ++i) ys[i] = torch::empty({rows, weights[i].size(0)}, x.options());
+  over_output_rows(rows, first[count], [&](auto R, int64_t n0, int64_t n1) {
+    constexpr int ROWS = decltype(R)::value;
+    for (size_t i = 0; i < count; ++i) {  // the part of n0..n1 that falls in matrix i, in its own row numbers
+      const int64_t a = std::max(n0, first[i]) - first[i], b = std::min(n1, first[i + 1]) - first[i];
+      if (a >= b) continue;
+      const int64_t N = weights[i].size(0);
+      const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::Half>());
+      float* yp = ys[i].data_ptr<float>();
+      if (groups[i] == 0)
+        q4_q8_rows_times<ROWS>(xq, weights[i].data_ptr<uint8_t>(), sp,
+                               reinterpret_cast<const uint16_t*>(lows[i].data_ptr<at::Half>()), yp, K, N, a, b);
+      else if (groups[i] == 16)
+        int8_q8_rows_times<ROWS, 16>(xq, weights[i].data_ptr<int8_t>(), sp, yp, K, N, a, b);
+      else
+        int8_q8_rows_times<ROWS, 32>(xq, weights[i].data_ptr<int8_t>(), sp, yp, K, N, a, b);
+    }
+  });
+  return ys;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(marginalia_gemv, m) {
@@ -361,6 +405,7 @@ TORCH_LIBRARY(marginalia_gemv, m) {
   m.def("gemv_q4_groups(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("gemv_q4_q8(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
+  m.def("gemv_q8_many(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] lows) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
@@ -368,4 +413,5 @@ TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
   m.impl("gemv_q4_groups", &gemv_q4_groups);
   m.impl("gemv_int8_q8", &gemv_int8_q8);
   m.impl("gemv_q4_q8", &gemv_q4_q8);
+  m.impl("gemv_q8_many", &gemv_q8_many);
 }
