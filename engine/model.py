@@ -438,25 +438,31 @@ def gguf_file(spec: str) -> Path | None:
 
 
 DECODE_WEIGHTS = ("gguf4", "gguf", "gguf-q8", "full")
-DECODE_WEIGHTS_HELP = ("gguf4: decode steps read the GGUF's 4-bit blocks (faster, more memory); gguf: all its 4-, 6- and "
-                       "8-bit tensors as the file holds them, through AVX2 kernels (opt-in); gguf-q8: the same with "
-                       "each step's inputs rounded to int8 blocks, as llama.cpp does (opt-in); full: the loaded weights "
-                       "only [env MARGINALIA_DECODE_WEIGHTS; auto: gguf4 on a CPU with AVX-512]")
+DECODE_WEIGHTS_HELP = ("gguf-q8: decode steps read the GGUF's 4-, 6- and 8-bit tensors as the file holds them, each "
+                       "step's inputs rounded to int8 blocks as llama.cpp does (AVX2 kernels); gguf: the same in fp32 "
+                       "sums; gguf4: its 4-bit blocks through torch's int4 kernel; full: the loaded weights only [env "
+                       "MARGINALIA_DECODE_WEIGHTS; auto: gguf-q8 on a CPU with AVX-512, gguf4 there if the kernels "
+                       "cannot be built]")
 
 
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`gguf4`: decode steps read the GGUF's 4-bit blocks through torch's int4 kernel (engine/packed.py); `gguf`:
-    its 4-, 6- and 8-bit tensors as the file holds them, through engine/kernels (AVX2; opt-in until its answers
-    are measured); `gguf-q8`: the same, each step's inputs rounded to int8 blocks as llama.cpp rounds them
-    (integer dot products; opt-in likewise); `full`: the loaded weights only. `auto` (MARGINALIA_DECODE_WEIGHTS,
-    else `auto`): `gguf4` on a CPU with AVX-512 in fp32, bf16 or fp16 (the kernel's types; a GPU has no use for
-    the CPU kernel, and fp64 is there for exact comparisons). Without AVX-512 torch's int4 kernel made the 1.5B's
-    decode slower than the fp32 weights (0.6 against 1.1 tok/s, AMD EPYC with AVX2 only,
-    bench/results/llamacpp-avx2/), so `full` there."""
+    """`gguf-q8`: decode steps read the GGUF's 4-, 6- and 8-bit tensors as the file holds them through
+    engine/kernels (AVX2), each step's inputs rounded to int8 blocks as llama.cpp rounds them (integer dot
+    products), and go through engine/decode_step.py; `gguf`: the same tensors with fp32 sums; `gguf4`: the 4-bit
+    blocks through torch's int4 kernel (engine/packed.py); `full`: the loaded weights only. `auto`
+    (MARGINALIA_DECODE_WEIGHTS, else `auto`): on a CPU with AVX-512 in fp32, bf16 or fp16 (a GPU has no use for the
+    CPU kernels, and fp64 is there for exact comparisons) `gguf-q8`, or `gguf4` where engine/kernels cannot be
+    built (no compiler). gguf-q8 decoded the 1.5B 1.35x faster than gguf4 on 2 threads and its answers at 4k
+    scored within a point of gguf4's (docs/speed-and-memory.md). Without AVX-512 torch's int4 kernel made the
+    1.5B's decode slower than the fp32 weights (0.6 against 1.1 tok/s, AMD EPYC with AVX2 only,
+    bench/results/llamacpp-avx2/) and the AVX2 kernels are not measured there, so `full`."""
     choice = choice or os.environ.get("MARGINALIA_DECODE_WEIGHTS") or "auto"
     if choice == "auto":
         fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_has_avx512()
-        return "gguf4" if fits else "full"
+        if not fits:
+            return "full"
+        from .kernels import GEMV
+        return "gguf-q8" if GEMV.load() is not None else "gguf4"
     if choice not in DECODE_WEIGHTS:
         raise ValueError(f"decode weights must be auto, {' or '.join(DECODE_WEIGHTS)}, not {choice!r}")
     if choice != "full" and (device.type != "cpu" or dtype == torch.float64):

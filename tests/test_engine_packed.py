@@ -335,7 +335,10 @@ def test_where_packs_are_used(monkeypatch):
     from engine import model
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(model, "cpu_has_avx512", lambda: True)
+    assert pick_decode_weights("auto", cpu, torch.bfloat16) == ("gguf-q8" if kernels.GEMV.load() else "gguf4")
+    monkeypatch.setattr(kernels.GEMV, "load", lambda: None)  # no compiler: torch's int4 kernel
     assert pick_decode_weights("auto", cpu, torch.bfloat16) == "gguf4"
+    monkeypatch.undo()
     monkeypatch.setattr(model, "cpu_has_avx512", lambda: False)   # torch's int4 kernel is slow without it
     assert pick_decode_weights("auto", cpu, torch.float32) == "full"
     assert pick_decode_weights("gguf4", cpu, torch.float32) == "gguf4"
