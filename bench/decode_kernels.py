@@ -2,7 +2,10 @@
 copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
 weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step six ways in turn
 (full weights; the 4-bit copies only; the 6- and 8-bit copies only; both; both with the inputs rounded to int8
-blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py), at the context a 512-token prefill left. Writes bench/results/decode_kernels_<model>_<dtype>.{md,json}.
+blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py), at the context a 512-token
+prefill left; where the kernels were built with AVX-512 VNNI, a seventh way runs the written-out step with their
+AVX2 path instead (the same values, engine/kernels' use_avx512). Writes
+bench/results/decode_kernels_<model>_<dtype>_<threads>t.{md,json}.
 """
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ from pathlib import Path
 
 from .common import RESULTS, cpu_name, load_engine, md_table, median, prose, write_results
 
-# way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8)
-WAYS = {"full weights": (False, False, False), "4-bit copies": (True, False, False),
-        "6- and 8-bit copies": (False, True, False), "all copies (gguf)": (True, True, False),
-        "all copies, int8 inputs (gguf-q8)": (True, True, True),
-        "gguf-q8, the written-out step": (True, True, True)}
-WRITTEN_OUT = "gguf-q8, the written-out step"  # engine/decode_step.py, which the runner takes for gguf-q8
+# way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8, the kernels' AVX-512 path where built)
+WAYS = {"full weights": (False, False, False, True), "4-bit copies": (True, False, False, True),
+        "6- and 8-bit copies": (False, True, False, True), "all copies (gguf)": (True, True, False, True),
+        "all copies, int8 inputs (gguf-q8)": (True, True, True, True),
+        "gguf-q8, the written-out step": (True, True, True, True),
+        "gguf-q8, the written-out step, AVX2 kernels": (True, True, True, False)}
+WRITTEN_OUT = ("gguf-q8, the written-out step", "gguf-q8, the written-out step, AVX2 kernels")  # engine/decode_step.py
 
 
 def main(argv=None) -> int:
@@ -31,7 +35,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from engine import packed
+    from engine import kernels as native, packed
     from engine.decode_step import DecodeStep
     torch.set_num_threads(args.threads)
     lm = load_engine("cpu", args.dtype, args.model, decode_weights="gguf").lm
@@ -45,20 +49,22 @@ def main(argv=None) -> int:
     # gguf-q8's kernels read the scales and lows in fp16: both versions are kept, and each way takes its own
     scales = {round_x: [{k: (v.half() if round_x else v) for k, v in m._buffers.items() if k in ("scale", "low")}
                         for m in copies] for round_x in (False, True)}
-    times = {way: [] for way in WAYS}
+    ways = WAYS if native.use_avx512(True) else {w: v for w, v in WAYS.items() if v[3]}
+    times = {way: [] for way in ways}
     written_out = None  # built once the copies are gguf-q8's
     try:
         for rep in range(args.reps + 1):  # the first round warms up
-            for way, (q4, q8, round_x) in WAYS.items():
+            for way, (q4, q8, round_x, wide) in ways.items():
+                native.use_avx512(wide)
                 packed.Q4Linear.few_rows = kernels[packed.Q4Linear] if q4 else (lambda self, x: None)
                 packed.Int8Linear.few_rows = kernels[packed.Int8Linear] if q8 else (lambda self, x: None)
                 for copy, buffers in zip(copies, scales[round_x]):
                     copy.round_x = round_x
                     copy._buffers.update(buffers)
-                if way == WRITTEN_OUT:
+                if way in WRITTEN_OUT:
                     written_out = written_out or DecodeStep.of(lm.model)
                 t = time.perf_counter()
-                if way == WRITTEN_OUT:
+                if way in WRITTEN_OUT:
                     written_out(ids[-1], args.context, cache)
                 else:
                     runner.forward([ids[-1]], cache)
@@ -67,6 +73,7 @@ def main(argv=None) -> int:
                 cache.truncate(args.context)
     finally:
         packed.Q4Linear.few_rows, packed.Int8Linear.few_rows = kernels.values()
+        native.use_avx512(True)
         for copy, buffers in zip(copies, scales[False]):
             copy.round_x = False
             copy._buffers.update(buffers)
@@ -79,7 +86,7 @@ def main(argv=None) -> int:
     table = md_table(["decode step with", "ms", "tok/s", "time / full weights"],
                      [[r["way"], f"{r['ms']:.0f}", f"{r['tok_s']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
     text = (f"# Decode steps on the GGUF's own values\n\n{lm.name}, {dtype}, {args.threads} thread(s), {meta['cpu']}; "
-            f"one step at {args.context} tokens of context, medians of {args.reps}, the six ways in turn in one "
+            f"one step at {args.context} tokens of context, medians of {args.reps}, the {len(ways)} ways in turn in one "
             f"process.\n\n{table}\n")
     slug = lm.name.split()[0].lower()
     name = f"decode_kernels_{slug}_{dtype}_{args.threads}t"

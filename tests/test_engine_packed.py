@@ -179,6 +179,44 @@ def test_one_call_for_several_matrices_gives_their_own_calls_values():
 
 
 @needs_gemv
+def test_the_avx512_path_gives_the_avx2_paths_values():
+    """Where the CPU has AVX-512 VNNI the int8-input kernels take two groups an instruction; their outputs are the
+    AVX2 path's bit for bit (the same integer sums, the same FMAs in the same order per lane), for 4-bit and int8
+    (groups of 16 and 32) matrices, an odd number of groups (the last one through the AVX2 code), 1-4 rows, 1 and
+    2 threads, and the extremes of the values (weights -128 and 15, x rounded to +-127)."""
+    if not kernels.use_avx512(True):
+        pytest.skip("this CPU (or build) has no AVX-512 VNNI")
+    torch.manual_seed(2)
+    K = 32 * 15
+    q4 = torch.randint(0, 256, (150, K // 2), dtype=torch.uint8)
+    q4[0] = 255  # every value 15
+    scale4, low4 = (torch.rand(150, K // 32) * 0.01).half(), (torch.randn(150, K // 32) * 0.05).half()
+    q16, scale16 = torch.randint(-128, 128, (70, K), dtype=torch.int8), (torch.rand(70, K // 16) * 0.01).half()
+    q32, scale32 = torch.randint(-128, 128, (130, K), dtype=torch.int8), (torch.rand(130, K // 32) * 0.01).half()
+    q16[0], q32[0] = -128, -128
+    empty = scale16.new_empty(0, 0)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, K)
+                x[0, :32] = torch.where(torch.arange(32) % 2 == 0, -3.0, 3.0)  # a block of +-127 after rounding
+                outputs = {}
+                for wide in (True, False):
+                    assert kernels.use_avx512(wide) == wide
+                    outputs[wide] = [*kernels.gemv_q8_many(x, [q4, q16, q32], [scale4, scale16, scale32],
+                                                           [low4, empty, empty]),
+                                     kernels.gemv_q4(x, q4, scale4, low4, round_x=True),
+                                     kernels.gemv_int8(x, q16, scale16, round_x=True),
+                                     kernels.gemv_int8(x, q32, scale32, round_x=True)]
+                assert all(torch.equal(a, b) for a, b in zip(outputs[True], outputs[False]))
+    finally:
+        torch.set_num_threads(before)
+        kernels.use_avx512(True)
+
+
+@needs_gemv
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_written_out_decode_step_gives_transformers_logits(dtype):
     """engine/decode_step.py, taken for every one-token step when all linears carry gguf-q8 copies: 24 greedy

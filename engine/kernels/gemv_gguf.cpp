@@ -10,7 +10,9 @@
 // sums differs from a matmul over the de-quantized matrix. AVX2 + FMA; output rows are split over threads, and
 // one input row is spread over independent accumulator sets (an FMA's latency is 4-5 cycles).
 // gemv_int8_q8 and gemv_q4_q8 (`gguf-q8`) take the same values with fp16 scales and round x to int8 blocks first
-// (llama.cpp's way; see below). AVX2 + FMA + F16C.
+// (llama.cpp's way; see below). AVX2 + FMA + F16C; where the build has AVX-512 VNNI (engine/kernels/__init__.py
+// adds its flags on such a CPU) they take two groups an instruction through vpdpbusd, with the same values bit for
+// bit (see `wide`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +30,15 @@ constexpr int64_t MAX_ROWS = 4;
 // 512, 1024 and 2048).
 constexpr int64_t PREFETCH = 2048;
 constexpr int64_t MAX_GROUPS = 4096;  // scales a row (the int8-input kernels' buffer, 64 KB at 4 rows): K <= 65536
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMV_AVX512 1
+// Whether the int8-input kernels take their 512-bit path (the `use_avx512` op turns it off, so that a test can
+// compare the two paths on the same machine and a benchmark can time both).
+bool wide = true;
+#else
+bool wide = false;
+#endif
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -249,6 +260,84 @@ inline void group_factors(const uint16_t* sn, const float* d, int64_t groups, fl
     for (int r = 0; r < ROWS; ++r) f[r][g] = _cvtsh_ss(sn[g]) * d[r * groups + g];
 }
 
+#ifdef GEMV_AVX512
+// ---- The same products two groups (or int8 blocks) at a time, for CPUs with AVX-512 VNNI. vpdpbusd sums 4
+// adjacent u8 x s8 products into each int32 lane, which is what maddubs + madd compute (their int16 pair sums
+// never saturate here), and lanes 0-7 of a 512-bit register hold the even group exactly as the AVX2 path's
+// acc[r][0] does, lanes 8-15 the odd one as its acc[r][1]: each lane sees the same FMAs in the same order, so the
+// accumulators handed back are the AVX2 path's bit for bit, and the caller finishes any odd group left over.
+
+// 16 lanes of one factor per half: f[g] in lanes 0-7, f[g + 1] in lanes 8-15 (GROUP 32); f[2c] .. f[2c + 3]
+// four lanes each (GROUP 16).
+template <int GROUP>
+inline __m512 pair_factors(const float* f) {
+  if constexpr (GROUP == 32) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)))));
+  } else {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(f)));
+  }
+}
+
+template <int ROWS>
+inline void split_into(const __m512 (&wide_acc)[ROWS], __m256 (&acc)[ROWS][2]) {
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r][0] = _mm512_castps512_ps256(wide_acc[r]);
+    acc[r][1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide_acc[r]), 1));
+  }
+}
+
+// The 4-bit groups of one output row, two at a time: their 32 packed bytes become [g low nibbles, g high, g + 1
+// low, g + 1 high] in the four 128-bit lanes. Returns the first group not done (groups rounded down to even).
+template <int ROWS>
+inline int64_t q4_q8_pairs(const Q8Rows& xq, const uint8_t* pn, float (*f)[MAX_GROUPS], int64_t K,
+                           int64_t groups, __m256 (&acc)[ROWS][2]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 wide_acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) wide_acc[r] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pn + g * 16 + PREFETCH), _MM_HINT_T0);
+    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn + g * 16)));
+    const __m512i t = _mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m512i w = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, t, _mm512_srli_epi16(t, 4)), mask);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + g * 32);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+      wide_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_factors<32>(f[r] + g), wide_acc[r]);
+    }
+  }
+  split_into<ROWS>(wide_acc, acc);
+  return g;
+}
+
+// The int8 blocks of one output row, two at a time (64 bytes); |q| against x with q's sign, as the AVX2 path
+// (where q is 0 the product is 0 either way). Returns the first block not done.
+template <int ROWS, int GROUP>
+inline int64_t int8_q8_pairs(const Q8Rows& xq, const int8_t* qn, float (*f)[MAX_GROUPS], int64_t K,
+                             int64_t blocks, __m256 (&acc)[ROWS][2]) {
+  __m512 wide_acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) wide_acc[r] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= blocks; c += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(qn + c * 32 + PREFETCH), _MM_HINT_T0);
+    const __m512i w = _mm512_loadu_si512(qn + c * 32);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + c * 32);
+      const __m512i xs = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
+      const __m512 s = pair_factors<GROUP>(f[r] + (GROUP == 32 ? c : 2 * c));
+      wide_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide_acc[r]);
+    }
+  }
+  split_into<ROWS>(wide_acc, acc);
+  return c;
+}
+#endif
+
 // The 4-bit groups of output rows n0..n1 times the int8 rows: per group, scale * d * (q . qx), plus the low
 // term low * d * sum(qx) as one dot product over the groups afterwards. A group's 16 bytes are loaded into both
 // halves of a register, the low nibbles kept in one half and the high ones in the other (a blend, not a shuffle).
@@ -264,7 +353,11 @@ void q4_q8_rows_times(const Q8Rows& xq, const uint8_t* packed, const uint16_t* s
     group_factors<ROWS>(scale + n * groups, xq.d.data(), groups, f);
     __m256 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    int64_t g = 0;
+#ifdef GEMV_AVX512
+    if (wide) g = q4_q8_pairs<ROWS>(xq, pn, f, K, groups, acc);
+#endif
+    for (; g < groups; ++g) {
       if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pn + g * 16 + PREFETCH), _MM_HINT_T0);
       const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pn + g * 16)));
       const __m256i w = _mm256_and_si256(_mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xF0), mask);
@@ -305,7 +398,11 @@ void int8_q8_rows_times(const Q8Rows& xq, const int8_t* q, const uint16_t* scale
     group_factors<ROWS>(scale + n * groups, d.data(), groups, f);
     __m256 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < blocks; ++c) {
+    int64_t c = 0;
+#ifdef GEMV_AVX512
+    if (wide) c = int8_q8_pairs<ROWS, GROUP>(xq, qn, f, K, blocks, acc);
+#endif
+    for (; c < blocks; ++c) {
       if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + c * 32 + PREFETCH), _MM_HINT_T0);
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + c * 32));
       const __m256i aw = _mm256_sign_epi8(w, w);
@@ -398,6 +495,15 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
   return ys;
 }
 
+// Turns the int8-input kernels' AVX-512 path on or off; returns whether it is in use after the call (false where
+// the build has no AVX-512 VNNI).
+bool use_avx512(bool enable) {
+#ifdef GEMV_AVX512
+  wide = enable;
+#endif
+  return wide;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(marginalia_gemv, m) {
@@ -406,6 +512,7 @@ TORCH_LIBRARY(marginalia_gemv, m) {
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("gemv_q4_q8(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
   m.def("gemv_q8_many(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] lows) -> Tensor[]");
+  m.def("use_avx512(bool enable) -> bool", &use_avx512);  // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
