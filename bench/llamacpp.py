@@ -50,6 +50,7 @@ class LlamaWorker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+        self.log.unlink(missing_ok=True)  # kept only to explain a worker that died
 
 
 def measure(spec: str, decode_weights: str, args, log) -> dict:
