@@ -190,6 +190,7 @@ class _ReferenceRunner:
 
     def __init__(self, engine, stop_ids: set[int]):
         self.model, self.tokenizer = engine.lm.model, engine.lm.tokenizer
+        self.decoder, self.lm_head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.device = engine.lm.device
         self.stop_ids = stop_ids
         self.cache_keyword = cache_keyword(self.model)
@@ -208,10 +209,17 @@ class _ReferenceRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         mask = torch.ones(1, past + len(ids), dtype=torch.long, device=self.device)
         positions = torch.arange(past, past + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self.cache_keyword: cache})
+        hidden = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                              **{self.cache_keyword: cache}).last_hidden_state
         self.peak_kv = max(self.peak_kv, sum(_dynamic_bytes(c) for c in self.caches))
-        return out.logits[0, -1].float()
+        # Every position's logits, as the public code computes them (its cost), but the last position's on its
+        # own: the engine computes only that one, a single row, which goes through the decode copy where the model
+        # has one (engine/packed.py: `gguf-q8` rounds its input to int8 blocks), while the same row inside a long
+        # pass goes through the full weights. Computed the engine's way, the greedy choices of the two patterns
+        # can be compared token for token (a copied margin's first sentence differed on an AMD EPYC otherwise).
+        if len(ids) > 1:
+            self.lm_head(hidden[:, :-1])
+        return self.lm_head(hidden[:, -1:])[0, -1].float()
 
     def prefill(self, ids: list[int], cache: DynamicCache, then: list[int] = ()) -> torch.Tensor:
         # In the engine's passes (engine/generate.py's prefill_passes): the
