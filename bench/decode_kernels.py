@@ -1,11 +1,10 @@
 """`python -m bench.decode_kernels [--model qwen2.5-1.5b] [--threads 2]`: one decode step with the `gguf` decode
 copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
-weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step seven ways in turn
+weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step six ways in turn
 (full weights; the 4-bit copies only; the 6- and 8-bit copies only; both; both with the inputs rounded to int8
-blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py; the written-out step with
-Q6_K's values a byte each instead of 6 bits), at the context a 512-token prefill left; where the kernels were
-built with AVX-512 VNNI, an eighth way runs the written-out step with their AVX2 path instead (the same values,
-engine/kernels' use_avx512). Writes
+blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py), at the context a 512-token
+prefill left; where the kernels were built with AVX-512 VNNI, a seventh way runs the written-out step with their
+AVX2 path instead (the same values, engine/kernels' use_avx512). Writes
 bench/results/decode_kernels_<model>_<dtype>_<threads>t.{md,json}.
 """
 from __future__ import annotations
@@ -16,17 +15,13 @@ from pathlib import Path
 
 from .common import RESULTS, cpu_name, load_engine, md_table, median, prose, write_results
 
-# way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8, the kernels' AVX-512 path where built,
-# Q6_K's values 6 bits each as gguf-q8 holds them, not a byte each)
-WAYS = {"full weights": (False, False, False, True, False), "4-bit copies": (True, False, False, True, False),
-        "6- and 8-bit copies": (False, True, False, True, False),
-        "all copies (gguf)": (True, True, False, True, False),
-        "all copies, int8 inputs (gguf-q8)": (True, True, True, True, True),
-        "gguf-q8, the written-out step": (True, True, True, True, True),
-        "gguf-q8, the written-out step, Q6_K a byte a value": (True, True, True, True, False),
-        "gguf-q8, the written-out step, AVX2 kernels": (True, True, True, False, True)}
-WRITTEN_OUT = ("gguf-q8, the written-out step", "gguf-q8, the written-out step, Q6_K a byte a value",
-               "gguf-q8, the written-out step, AVX2 kernels")  # engine/decode_step.py
+# way -> (4-bit copies on, 6- and 8-bit copies on, inputs rounded to int8, the kernels' AVX-512 path where built)
+WAYS = {"full weights": (False, False, False, True), "4-bit copies": (True, False, False, True),
+        "6- and 8-bit copies": (False, True, False, True), "all copies (gguf)": (True, True, False, True),
+        "all copies, int8 inputs (gguf-q8)": (True, True, True, True),
+        "gguf-q8, the written-out step": (True, True, True, True),
+        "gguf-q8, the written-out step, AVX2 kernels": (True, True, True, False)}
+WRITTEN_OUT = ("gguf-q8, the written-out step", "gguf-q8, the written-out step, AVX2 kernels")  # engine/decode_step.py
 
 
 def main(argv=None) -> int:
@@ -51,36 +46,26 @@ def main(argv=None) -> int:
     runner.prefill(ids, cache)
     kernels = {packed.Q4Linear: packed.Q4Linear.few_rows, packed.Int8Linear: packed.Int8Linear.few_rows}
     copies = [m for m in lm.model.modules() if isinstance(m, (packed.Q4Linear, packed.Int8Linear))]
-    # Each copy's buffers for each (round_x, six): gguf-q8's kernels read the scales and lows in fp16, and hold
-    # Q6_K's values 6 bits each (packed.six_bits) where the copy is eligible; every version is kept, and each way
-    # takes its own.
-    def buffers(m, round_x: bool, six: bool) -> dict:
-        held = {k: v for k, v in m._buffers.items() if k in ("packed", "q", "scale", "low")}
-        if round_x:
-            held = {k: (v.half() if k in ("scale", "low") else v) for k, v in held.items()}
-            if six and "q" in held and packed.holds_six_bits(held["q"], held["scale"]):
-                held["six"] = packed.six_bits(held.pop("q"))
-        return held
-    variants = {(round_x, six): [buffers(m, round_x, six) for m in copies]
-                for round_x, six in ((False, False), (True, False), (True, True))}
+    # gguf-q8's kernels read the scales and lows in fp16: both versions are kept, and each way takes its own
+    scales = {round_x: [{k: (v.half() if round_x else v) for k, v in m._buffers.items() if k in ("scale", "low")}
+                        for m in copies] for round_x in (False, True)}
     ways = WAYS if native.use_avx512(True) else {w: v for w, v in WAYS.items() if v[3]}
     times = {way: [] for way in ways}
-    steps = {}  # way -> its written-out step, built once the copies hold that way's buffers
+    written_out = None  # built once the copies are gguf-q8's
     try:
         for rep in range(args.reps + 1):  # the first round warms up
-            for way, (q4, q8, round_x, wide, six) in ways.items():
+            for way, (q4, q8, round_x, wide) in ways.items():
                 native.use_avx512(wide)
                 packed.Q4Linear.few_rows = kernels[packed.Q4Linear] if q4 else (lambda self, x: None)
                 packed.Int8Linear.few_rows = kernels[packed.Int8Linear] if q8 else (lambda self, x: None)
-                for copy, held in zip(copies, variants[round_x, six and round_x]):
+                for copy, buffers in zip(copies, scales[round_x]):
                     copy.round_x = round_x
-                    copy._buffers.clear()
-                    copy._buffers.update(held)
-                if way in WRITTEN_OUT and way not in steps:
-                    steps[way] = DecodeStep.of(lm.model)
+                    copy._buffers.update(buffers)
+                if way in WRITTEN_OUT:
+                    written_out = written_out or DecodeStep.of(lm.model)
                 t = time.perf_counter()
                 if way in WRITTEN_OUT:
-                    steps[way](ids[-1], args.context, cache)
+                    written_out(ids[-1], args.context, cache)
                 else:
                     runner.forward([ids[-1]], cache)
                 if rep:
@@ -89,10 +74,9 @@ def main(argv=None) -> int:
     finally:
         packed.Q4Linear.few_rows, packed.Int8Linear.few_rows = kernels.values()
         native.use_avx512(True)
-        for copy, held in zip(copies, variants[False, False]):
+        for copy, buffers in zip(copies, scales[False]):
             copy.round_x = False
-            copy._buffers.clear()
-            copy._buffers.update(held)
+            copy._buffers.update(buffers)
     full = median(times["full weights"])
     rows = [{"way": way, "ms": median(t) * 1e3, "tok_s": 1 / median(t), "ratio": median(t) / full}
             for way, t in times.items()]

@@ -103,7 +103,8 @@ class Int8Linear(_DecodeCopy):
     six_bits) for gemv_q6, which gives gemv_int8's outputs bit for bit from three quarters of its bytes."""
 
     def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, round_x: bool = False):
-        if round_x and holds_six_bits(q, scale):
+        if round_x and q.shape[1] % 64 == 0 and q.shape[1] == 16 * scale.shape[1] \
+                and int(q.min()) >= -32 and int(q.max()) <= 31:
             super().__init__(linear, six=six_bits(q), scale=scale.half())
         else:
             super().__init__(linear, q=q, scale=scale.half() if round_x else scale)
@@ -119,12 +120,6 @@ class Int8Linear(_DecodeCopy):
         if hasattr(self, "six"):
             return gemv_q6(x, self.six, self.scale)
         return gemv_int8(x, self.q, self.scale, self.round_x)
-
-
-def holds_six_bits(q: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether a `gguf-q8` int8 copy holds its values 6 bits each: Q6_K's (groups of 16, values -32..31), rows a
-    multiple of 64 values long."""
-    return q.shape[1] % 64 == 0 and q.shape[1] == 16 * scale.shape[1] and int(q.min()) >= -32 and int(q.max()) <= 31
 
 
 SIX_ROWS = 4096  # rows converted at a time: the temporaries of a whole output matrix would be ~1 GB
