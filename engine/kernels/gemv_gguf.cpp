@@ -383,12 +383,49 @@ void q4_q8_rows_times(const Q8Rows& xq, const uint8_t* packed, const uint16_t* s
   }
 }
 
+// The int8 groups (GROUP 16 or 32 values a scale) of output rows n0..n1 times the int8 rows; the signed weights
+// go through maddubs as |q| against x with q's sign (llama.cpp's trick). Q8_0's -128 is 128 unsigned: still fits.
+template <int ROWS, int GROUP>
+void int8_q8_rows_times(const Q8Rows& xq, const int8_t* q, const uint16_t* scale, float* y, int64_t K, int64_t N,
+                        int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32, groups = K / GROUP;
+  alignas(32) float f[ROWS][MAX_GROUPS];
+  // d per group: the block's d, once per group of 16 when there are two a block
+  std::vector<float> d(ROWS * groups);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t g = 0; g < groups; ++g) d[r * groups + g] = xq.d[r * blocks + g * GROUP / 32];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qn = q + n * K;
+    group_factors<ROWS>(scale + n * groups, d.data(), groups, f);
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t c = 0;
+#ifdef GEMV_AVX512
+    if (wide) c = int8_q8_pairs<ROWS, GROUP>(xq, qn, f, K, blocks, acc);
+#endif
+    for (; c < blocks; ++c) {
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + c * 32 + PREFETCH), _MM_HINT_T0);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + c * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + c * 32));
+        // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31: one factor, or one per half
+        const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(f[r] + c)
+                                     : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(f[r] + 2 * c)),
+                                                            _mm_broadcast_ss(f[r] + 2 * c + 1), 1);
+        acc[r][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, w))), s, acc[r][c & 1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) y[r * N + n] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
 // ---- Q6_K's values 6 bits each instead of a byte each (`gguf-q8`): a step of the 1.5B reads 431 M of them (its
 // output matrix, half its down and value projections), 485 MB as int8 with fp16 scales, 377 MB so. A chunk of 64
 // values (two blocks of 32) is 48 bytes, u = q + 32 in 0..63: bytes 0-31 hold u[j] & 15 in their low nibble and
 // u[j + 32] & 15 in their high one; bytes 32-47 hold u[j] >> 4, u[j + 16] >> 4, u[j + 32] >> 4 and u[j + 48] >> 4
 // in bits 0-1, 2-3, 4-5 and 6-7 of byte 32 + j. Each block's integer dot products are the int8 path's exactly
-// (u . x - 32 * sum(x) = q . x), so the outputs are gemv_int8_q8's bit for bit (int8_q8_rows_times<ROWS, 16, true>).
+// (u . x - 32 * sum(x) = q . x), so the outputs are gemv_int8_q8's bit for bit.
 constexpr int64_t SIX_CHUNK = 48;  // bytes per 64 values
 
 // Block b (0 or 1) of a chunk as int8 q in 32 bytes (the AVX2 path; the int8 code takes it from there).
@@ -448,48 +485,34 @@ inline int64_t six_q8_pairs(const Q8Rows& xq, const uint8_t* sn, float (*f)[MAX_
 }
 #endif
 
-// The int8 groups (GROUP 16 or 32 values a scale) of output rows n0..n1 times the int8 rows; the signed weights
-// go through maddubs as |q| against x with q's sign (llama.cpp's trick). Q8_0's -128 is 128 unsigned: still fits.
-// SIX: the values come 6 bits each (GROUP 16), unpacked to the same int8 blocks (the AVX-512 path: six_q8_pairs).
-template <int ROWS, int GROUP, bool SIX = false>
-void int8_q8_rows_times(const Q8Rows& xq, const void* values, const uint16_t* scale, float* y, int64_t K, int64_t N,
-                        int64_t n0, int64_t n1) {
-  static_assert(!SIX || GROUP == 16, "6-bit values come in Q6_K's groups of 16");
-  const int64_t blocks = K / 32, groups = K / GROUP;
-  const int64_t row_bytes = SIX ? K / 64 * SIX_CHUNK : K, block_bytes = SIX ? SIX_CHUNK / 2 : 32;
+// The 6-bit rows n0..n1 (groups of 16, as Q6_K's) times the int8 rows: int8_q8_rows_times<ROWS, 16> on values
+// unpacked from 6 bits, bit for bit.
+template <int ROWS>
+void six_q8_rows_times(const Q8Rows& xq, const uint8_t* six, const uint16_t* scale, float* y, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32, groups = K / 16;
   alignas(32) float f[ROWS][MAX_GROUPS];
-  // d per group: the block's d, once per group of 16 when there are two a block
   std::vector<float> d(ROWS * groups);
   for (int r = 0; r < ROWS; ++r)
-    for (int64_t g = 0; g < groups; ++g) d[r * groups + g] = xq.d[r * blocks + g * GROUP / 32];
+    for (int64_t g = 0; g < groups; ++g) d[r * groups + g] = xq.d[r * blocks + g / 2];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = static_cast<const uint8_t*>(values) + n * row_bytes;
+    const uint8_t* sn = six + n * (K / 64) * SIX_CHUNK;
     group_factors<ROWS>(scale + n * groups, d.data(), groups, f);
     __m256 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t c = 0;
 #ifdef GEMV_AVX512
-    if (wide) {
-      if constexpr (SIX)
-        c = six_q8_pairs<ROWS>(xq, qn, f, K, blocks, acc);
-      else
-        c = int8_q8_pairs<ROWS, GROUP>(xq, reinterpret_cast<const int8_t*>(qn), f, K, blocks, acc);
-    }
+    if (wide) c = six_q8_pairs<ROWS>(xq, sn, f, K, blocks, acc);
 #endif
     for (; c < blocks; ++c) {
-      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + c * block_bytes + PREFETCH), _MM_HINT_T0);
-      __m256i w;
-      if constexpr (SIX)
-        w = six_block(qn + (c / 2) * SIX_CHUNK, static_cast<int>(c & 1));
-      else
-        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + c * 32));
+      const uint8_t* chunk = sn + (c / 2) * SIX_CHUNK;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
+      const __m256i w = six_block(chunk, static_cast<int>(c & 1));
       const __m256i aw = _mm256_sign_epi8(w, w);
       for (int r = 0; r < ROWS; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + c * 32));
-        // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31: one factor, or one per half
-        const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(f[r] + c)
-                                     : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(f[r] + 2 * c)),
-                                                            _mm_broadcast_ss(f[r] + 2 * c + 1), 1);
+        const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(f[r] + 2 * c)),
+                                              _mm_broadcast_ss(f[r] + 2 * c + 1), 1);
         acc[r][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, w))), s, acc[r][c & 1]);
       }
     }
@@ -525,7 +548,7 @@ torch::Tensor gemv_q6_q8(torch::Tensor x, torch::Tensor six, torch::Tensor scale
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
-    int8_q8_rows_times<decltype(R)::value, 16, true>(xq, wp, sp, yp, K, N, n0, n1);
+    six_q8_rows_times<decltype(R)::value>(xq, wp, sp, yp, K, N, n0, n1);
   });
   return y;
 }
@@ -601,7 +624,7 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
       const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::Half>());
       float* yp = ys[i].data_ptr<float>();
       if (groups[i] == -1)
-        int8_q8_rows_times<ROWS, 16, true>(xq, weights[i].data_ptr<uint8_t>(), sp, yp, K, N, a, b);
+        six_q8_rows_times<ROWS>(xq, weights[i].data_ptr<uint8_t>(), sp, yp, K, N, a, b);
       else if (groups[i] == 0)
         q4_q8_rows_times<ROWS>(xq, weights[i].data_ptr<uint8_t>(), sp,
                                reinterpret_cast<const uint16_t*>(lows[i].data_ptr<at::Half>()), yp, K, N, a, b);
