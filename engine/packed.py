@@ -19,8 +19,7 @@ Q6_K and Q8_0 tensors (the 1.5B's output matrix and half its value and down proj
 kernels instead of torch's: 4-bit values two a byte with an fp32 scale and low per 32 (Q4Linear), and Q6_K and
 Q8_0 as int8 with one fp32 scale per group (Q6_K: 16 values, scale d * sub-scale, values q - 32; Q8_0: 32, scale
 d; Int8Linear), 0.75, 1.25 and 1.125 bytes a value against fp32's 4 (on a CPU without bf16 matrix units the full
-weights are fp32). Checked against the loaded weight the same way. With `gguf-q8` the Q6_K values are held 6 bits
-each once loaded (six_bits: 0.875 bytes a value with their fp16 scales, the same outputs bit for bit).
+weights are fp32). Checked against the loaded weight the same way.
 """
 from __future__ import annotations
 
@@ -99,45 +98,15 @@ class Q4Linear(_DecodeCopy):
 
 class Int8Linear(_DecodeCopy):
     """The second copy as the file's int8 values with group scales, for engine/kernels' gemv_int8 (`gguf`,
-    `gguf-q8` as Q4Linear's). With `gguf-q8`, Q6_K's values (groups of 16) are held 6 bits each (`six`, see
-    six_bits) for gemv_q6, which gives gemv_int8's outputs bit for bit from three quarters of its bytes."""
+    `gguf-q8` as Q4Linear's)."""
 
     def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, round_x: bool = False):
-        if round_x and q.shape[1] % 64 == 0 and q.shape[1] == 16 * scale.shape[1] \
-                and int(q.min()) >= -32 and int(q.max()) <= 31:
-            super().__init__(linear, six=six_bits(q), scale=scale.half())
-        else:
-            super().__init__(linear, q=q, scale=scale.half() if round_x else scale)
+        super().__init__(linear, q=q, scale=scale.half() if round_x else scale)
         self.round_x = round_x
 
-    @property
-    def values(self) -> torch.Tensor:
-        """The values as the kernel reads them: `six` (uint8, 6 bits a value) or `q` (int8)."""
-        return self.six if hasattr(self, "six") else self.q
-
     def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        from .kernels import gemv_int8, gemv_q6
-        if hasattr(self, "six"):
-            return gemv_q6(x, self.six, self.scale)
+        from .kernels import gemv_int8
         return gemv_int8(x, self.q, self.scale, self.round_x)
-
-
-SIX_ROWS = 4096  # rows converted at a time: the temporaries of a whole output matrix would be ~1 GB
-
-
-def six_bits(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in -32..31 [N, K] (K a multiple of 64) -> uint8 [N, K / 64 * 48], gemv_q6's layout: per 64
-    values, u = q + 32 in 0..63; bytes 0-31 hold u[j] & 15 and u[j + 32] & 15 (low, high nibble), bytes 32-47
-    the top two bits of u[j], u[j + 16], u[j + 32], u[j + 48] (bits 0-1, 2-3, 4-5, 6-7)."""
-    rows, cols = q.shape
-    out = torch.empty(rows, cols // 64 * 48, dtype=torch.uint8)
-    for start in range(0, rows, SIX_ROWS):
-        u = (q[start:start + SIX_ROWS] + 32).view(torch.uint8).reshape(-1, cols // 64, 64)
-        nibbles = (u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)
-        top = (u >> 4).reshape(-1, cols // 64, 4, 16)
-        high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
-        out[start:start + SIX_ROWS] = torch.cat([nibbles, high], dim=-1).reshape(-1, cols // 64 * 48)
-    return out
 
 
 class SharedInput:
@@ -147,7 +116,7 @@ class SharedInput:
 
     def __init__(self, linears: list[Q4Linear | Int8Linear]):
         self.linears = linears
-        self.weights = [m.packed if isinstance(m, Q4Linear) else m.values for m in linears]
+        self.weights = [m.packed if isinstance(m, Q4Linear) else m.q for m in linears]
         self.scales = [m.scale for m in linears]
         self.lows = [m.low if isinstance(m, Q4Linear) else m.scale.new_empty(0, 0) for m in linears]
 
@@ -257,8 +226,8 @@ def add_decode_packs(model: torch.nn.Module, gguf: Path, folder: Path, choice: s
         round_x = choice == "gguf-q8"
         layers = {name: Q4Linear(modules[name], pack, packs[f"{name}.q4_scale"], packs[f"{name}.q4_low"], round_x)
                   for name, pack in _named(packs, "q4", modules)}
-        for name, _ in list(_named(packs, "q8", modules)):  # each int8 copy let go of once converted (six_bits)
-            layers[name] = Int8Linear(modules[name], packs.pop(f"{name}.q8"), packs[f"{name}.q8_scale"], round_x)
+        layers |= {name: Int8Linear(modules[name], q, packs[f"{name}.q8_scale"], round_x)
+                   for name, q in _named(packs, "q8", modules)}
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)

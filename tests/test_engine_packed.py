@@ -2,7 +2,6 @@
 are checked against the loaded weights, and the real model decodes the same tokens with them."""
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
@@ -15,7 +14,7 @@ from engine.generate import Runner
 from engine.model import embedded_gguf, load_model, pick_decode_weights
 from engine import kernels
 from engine.packed import (GROUP, INT8_KINDS, Int8Linear, PackedLinear, Q4Linear, add_decode_packs, build_packs,
-                           groups_of, int8_groups_of, six_bits)
+                           groups_of, int8_groups_of)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
@@ -215,41 +214,6 @@ def test_the_avx512_path_gives_the_avx2_paths_values():
     finally:
         torch.set_num_threads(before)
         kernels.use_avx512(True)
-
-
-@needs_gemv
-def test_six_bit_values_give_the_int8_kernels_values():
-    """Q6_K's values held 6 bits each (six_bits, gemv_q6) give gemv_int8's outputs bit for bit, alone and among
-    other matrices in gemv_q8_many, on the AVX2 path and (where built) the AVX-512 one: 1-4 rows, 1 and 2 threads,
-    the extremes (-32 and 31 against x rounded to +-127); a Q6_K copy holds them, a Q8_0 copy keeps its bytes."""
-    torch.manual_seed(3)
-    K = 64 * 7
-    q = torch.randint(-32, 32, (90, K), dtype=torch.int8)
-    q[0], q[1] = -32, 31
-    scale = (torch.rand(90, K // 16) * 0.01).half()
-    q4, scale4, low4 = (torch.randint(0, 256, (40, K // 2), dtype=torch.uint8), (torch.rand(40, K // 32) * 0.01).half(),
-                        (torch.randn(40, K // 32) * 0.05).half())
-    six = six_bits(q)
-    assert six.shape == (90, K // 64 * 48) and six.dtype == torch.uint8
-    before, paths = torch.get_num_threads(), [False] + ([True] if kernels.use_avx512(True) else [])
-    try:
-        for wide, threads, rows in itertools.product(paths, (1, 2), (1, 2, 3, 4)):
-            kernels.use_avx512(wide)
-            torch.set_num_threads(threads)
-            x = torch.randn(rows, K)
-            x[0, :64] = torch.where(torch.arange(64) % 3 == 0, -3.0, 3.0)  # a block of +-127 after rounding
-            expected = kernels.gemv_int8(x, q, scale, round_x=True)
-            assert torch.equal(kernels.gemv_q6(x, six, scale), expected), (wide, threads, rows)
-            ys = kernels.gemv_q8_many(x, [q4, six, q], [scale4, scale, scale], [low4, *[scale.new_empty(0, 0)] * 2])
-            assert torch.equal(ys[1], expected) and torch.equal(ys[2], expected)
-            assert torch.equal(ys[0], kernels.gemv_q4(x, q4, scale4, low4, round_x=True))
-    finally:
-        torch.set_num_threads(before)
-        kernels.use_avx512(True)
-    linear = torch.nn.Linear(K, 90, bias=False)
-    assert hasattr(Int8Linear(linear, q, scale.float(), round_x=True), "six")
-    assert not hasattr(Int8Linear(linear, q, scale.float()[:, ::2].contiguous(), round_x=True), "six")  # Q8_0's 32
-    assert not hasattr(Int8Linear(linear, q, scale.float(), round_x=False), "six")  # `gguf`: fp32 sums of int8
 
 
 @needs_gemv

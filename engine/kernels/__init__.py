@@ -180,18 +180,10 @@ def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     return _gemv("gemv_q4_q8" if round_x else "gemv_q4_groups", x, packed, scale, low)
 
 
-def gemv_q6(x: torch.Tensor, six: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """x [rows <= 4, K] times the matrix scale * q held 6 bits a value (engine/packed.py's `six_bits`: uint8
-    [N, K / 64 * 48]; scale fp16 [N, K / 16], Q6_K's groups), x rounded as gemv_int8's round_x -> [rows, N] in
-    x's dtype, bit for bit gemv_int8(x, q, scale, round_x=True); or None likewise."""
-    return _gemv("gemv_q6_q8", x, six, scale)
-
-
 def gemv_q8_many(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor],
                  lows: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """x [rows <= 4, K] fp32 times several matrices at once (gemv_q4's, gemv_int8's with round_x and gemv_q6's:
-    weights[i] uint8 4-bit packs, int8 values or 6-bit packs, scales[i] and lows[i] fp16, an int8 or 6-bit
-    matrix's low an empty tensor): x rounded
+    """x [rows <= 4, K] fp32 times several matrices at once (gemv_q4's and gemv_int8's with round_x: weights[i]
+    uint8 4-bit packs or int8 values, scales[i] and lows[i] fp16, an int8 matrix's low an empty tensor): x rounded
     once, one split of all their output rows over the threads -> [rows, N_i] fp32 each, bit for bit the single
     calls' values; or None likewise."""
     if GEMV.load() is None:

@@ -218,7 +218,6 @@ struct Q8Rows {
   std::vector<int8_t> q;    // [rows, K]
   std::vector<float> d;     // [rows, K / 32]: value = d * q
   std::vector<float> dsum;  // [rows, K / 32]: d * the block's sum of q (the 4-bit groups' low term)
-  std::vector<int32_t> minus32;  // [rows, K / 4]: -32 * each 4 adjacent q's sum (6-bit weights, AVX-512; else empty)
 };
 
 Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
@@ -420,139 +419,6 @@ void int8_q8_rows_times(const Q8Rows& xq, const int8_t* q, const uint16_t* scale
   }
 }
 
-// ---- Q6_K's values 6 bits each instead of a byte each (`gguf-q8`): a step of the 1.5B reads 431 M of them (its
-// output matrix, half its down and value projections), 485 MB as int8 with fp16 scales, 377 MB so. A chunk of 64
-// values (two blocks of 32) is 48 bytes, u = q + 32 in 0..63: bytes 0-31 hold u[j] & 15 in their low nibble and
-// u[j + 32] & 15 in their high one; bytes 32-47 hold u[j] >> 4, u[j + 16] >> 4, u[j + 32] >> 4 and u[j + 48] >> 4
-// in bits 0-1, 2-3, 4-5 and 6-7 of byte 32 + j. Each block's integer dot products are the int8 path's exactly
-// (u . x - 32 * sum(x) = q . x), so the outputs are gemv_int8_q8's bit for bit.
-constexpr int64_t SIX_CHUNK = 48;  // bytes per 64 values
-
-// Block b (0 or 1) of a chunk as int8 q in 32 bytes (the AVX2 path; the int8 code takes it from there).
-inline __m256i six_block(const uint8_t* chunk, int b) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-  const __m256i low = _mm256_and_si256(b == 0 ? nib : _mm256_srli_epi16(nib, 4), mask);
-  const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32)));
-  // values 32b + j (j < 16) have their high bits at 4b, values 32b + 16 + j at 4b + 2: one shift per 128-bit half
-  const __m256i shifts = _mm256_setr_epi64x(4 * b, 4 * b, 4 * b + 2, 4 * b + 2);
-  const __m256i high = _mm256_and_si256(_mm256_srlv_epi64(h, shifts), _mm256_set1_epi8(0x03));
-  const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-  return _mm256_sub_epi8(u, _mm256_set1_epi8(32));
-}
-
-#ifdef GEMV_AVX512
-// minus32 for rows of xq: what the 6-bit path's dot products start from, once a call.
-void add_minus32(Q8Rows& xq, int64_t rows, int64_t K) {
-  xq.minus32.resize(rows * K / 4);
-  const __m512i thirty_two = _mm512_set1_epi8(32);
-  for (int64_t i = 0; i < rows * K; i += 64) {
-    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), thirty_two, _mm512_loadu_si512(xq.q.data() + i));
-    _mm512_storeu_si512(xq.minus32.data() + i / 4, _mm512_sub_epi32(_mm512_setzero_si512(), s));
-  }
-}
-
-// The 6-bit chunks of one output row, unsigned u against x from -32 * sum(x): the int8 path's int32 lanes, and
-// from there its FMAs in its order (int8_q8_pairs). Returns the blocks done (all of them: K is a multiple of 64).
-template <int ROWS>
-inline int64_t six_q8_pairs(const Q8Rows& xq, const uint8_t* sn, float (*f)[MAX_GROUPS], int64_t K,
-                            int64_t blocks, __m256 (&acc)[ROWS][2]) {
-  const __m512i mask = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03);
-  alignas(64) static const uint16_t counts[32] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
-                                                  4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6};
-  const __m512i shifts = _mm512_load_si512(counts);  // 128-bit lane L: 2L
-  __m512 wide_acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) wide_acc[r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < blocks; c += 2) {
-    const uint8_t* chunk = sn + (c / 2) * SIX_CHUNK;
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
-    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-    const __m512i low = _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), mask);
-    // 128-bit lane L holds the high bits of values 16L .. 16L + 15, at bits 2L, 2L + 1 of bytes 32-47
-    const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32)));
-    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(h, shifts), three);
-    const __m512i u = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + c * 32);
-      const __m512i from = _mm512_loadu_si512(xq.minus32.data() + (r * K + c * 32) / 4);
-      const __m512i dot = _mm512_dpbusd_epi32(from, u, xv);
-      wide_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_factors<16>(f[r] + 2 * c), wide_acc[r]);
-    }
-  }
-  split_into<ROWS>(wide_acc, acc);
-  return blocks;
-}
-#endif
-
-// The 6-bit rows n0..n1 (groups of 16, as Q6_K's) times the int8 rows: int8_q8_rows_times<ROWS, 16> on values
-// unpacked from 6 bits, bit for bit.
-template <int ROWS>
-void six_q8_rows_times(const Q8Rows& xq, const uint8_t* six, const uint16_t* scale, float* y, int64_t K, int64_t N,
-                       int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 32, groups = K / 16;
-  alignas(32) float f[ROWS][MAX_GROUPS];
-  std::vector<float> d(ROWS * groups);
-  for (int r = 0; r < ROWS; ++r)
-    for (int64_t g = 0; g < groups; ++g) d[r * groups + g] = xq.d[r * blocks + g / 2];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* sn = six + n * (K / 64) * SIX_CHUNK;
-    group_factors<ROWS>(scale + n * groups, d.data(), groups, f);
-    __m256 acc[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t c = 0;
-#ifdef GEMV_AVX512
-    if (wide) c = six_q8_pairs<ROWS>(xq, sn, f, K, blocks, acc);
-#endif
-    for (; c < blocks; ++c) {
-      const uint8_t* chunk = sn + (c / 2) * SIX_CHUNK;
-      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
-      const __m256i w = six_block(chunk, static_cast<int>(c & 1));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + c * 32));
-        const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(f[r] + 2 * c)),
-                                              _mm_broadcast_ss(f[r] + 2 * c + 1), 1);
-        acc[r][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, w))), s, acc[r][c & 1]);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) y[r * N + n] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
-  }
-}
-
-void check_six(const char* op, const torch::Tensor& x, const torch::Tensor& six, const torch::Tensor& scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && six.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf,
-              op, ": x float32, six uint8, scale float16");
-  TORCH_CHECK(x.dim() == 2 && six.dim() == 2 && scale.dim() == 2, op, ": 2-d tensors");
-  TORCH_CHECK(x.is_contiguous() && six.is_contiguous() && scale.is_contiguous(), op, ": contiguous");
-  const int64_t rows = x.size(0), K = x.size(1), N = six.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, op, ": 1 to 4 rows");
-  TORCH_CHECK(K % 64 == 0 && six.size(1) == K / 64 * SIX_CHUNK && scale.size(0) == N && scale.size(1) == K / 16 &&
-                  K / 16 <= MAX_GROUPS, op, ": shapes");
-}
-
-Q8Rows quantize_rows_for_six(const float* x, int64_t rows, int64_t K) {
-  Q8Rows xq = quantize_rows(x, rows, K);
-#ifdef GEMV_AVX512
-  if (wide) add_minus32(xq, rows, K);
-#endif
-  return xq;
-}
-
-torch::Tensor gemv_q6_q8(torch::Tensor x, torch::Tensor six, torch::Tensor scale) {
-  check_six("gemv_q6_q8", x, six, scale);
-  const int64_t rows = x.size(0), K = x.size(1), N = six.size(0);
-  const Q8Rows xq = quantize_rows_for_six(x.data_ptr<float>(), rows, K);
-  auto y = torch::empty({rows, N}, x.options());
-  const uint8_t* wp = six.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  over_output_rows(rows, N, [&](auto R, int64_t n0, int64_t n1) {
-    six_q8_rows_times<decltype(R)::value>(xq, wp, sp, yp, K, N, n0, n1);
-  });
-  return y;
-}
-
 torch::Tensor gemv_int8_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   const int64_t group = check_int8("gemv_int8_q8", x, q, scale, at::kHalf);
   const int64_t rows = x.size(0), K = x.size(1), N = q.size(0);
@@ -588,8 +454,7 @@ torch::Tensor gemv_q4_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 // Several matrices that take the same input (a layer's q, k and v; its gate and up) in one call: x rounded to
 // int8 blocks once, and one split of all their output rows over the threads, so that a small matrix (k's 256 rows)
 // does not cost a round of thread start-up of its own. Matrix i is 4-bit (packed uint8 [N_i, K / 2], scale and low
-// fp16 [N_i, K / 32]), int8 (q int8 [N_i, K], scale fp16 [N_i, K / 16 or 32]; its low is an empty tensor) or 6-bit
-// (uint8 [N_i, K / 64 * 48], scale fp16 [N_i, K / 16]; its low empty).
+// fp16 [N_i, K / 32]) or int8 (q int8 [N_i, K], scale fp16 [N_i, K / 16 or 32]; its low is an empty tensor).
 // Each output row is computed by the same code as gemv_q4_q8's or gemv_int8_q8's, so the values are theirs bit
 // for bit.
 std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tensor> weights,
@@ -598,10 +463,7 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
   TORCH_CHECK(count >= 1 && scales.size() == count && lows.size() == count, "gemv_q8_many: one scale and low a matrix");
   std::vector<int64_t> groups(count), first(count + 1, 0);  // first[i]: matrix i's first row among all of them
   for (size_t i = 0; i < count; ++i) {
-    if (weights[i].scalar_type() == at::kByte && weights[i].dim() == 2 && weights[i].size(1) != x.size(1) / 2) {
-      check_six("gemv_q8_many", x, weights[i], scales[i]);
-      groups[i] = -1;
-    } else if (weights[i].scalar_type() == at::kByte) {
+    if (weights[i].scalar_type() == at::kByte) {
       check_q4("gemv_q8_many", x, weights[i], scales[i], lows[i], at::kHalf);
       groups[i] = 0;
     } else {
@@ -610,9 +472,7 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
     first[i + 1] = first[i] + weights[i].size(0);
   }
   const int64_t rows = x.size(0), K = x.size(1);
-  const bool any_six = std::find(groups.begin(), groups.end(), -1) != groups.end();
-  const Q8Rows xq = any_six ? quantize_rows_for_six(x.data_ptr<float>(), rows, K)
-                            : quantize_rows(x.data_ptr<float>(), rows, K);
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), rows, K);
   std::vector<torch::Tensor> ys(count);
   for (size_t i = 0; i < count; ++i) ys[i] = torch::empty({rows, weights[i].size(0)}, x.options());
   over_output_rows(rows, first[count], [&](auto R, int64_t n0, int64_t n1) {
@@ -623,9 +483,7 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
       const int64_t N = weights[i].size(0);
       const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::Half>());
       float* yp = ys[i].data_ptr<float>();
-      if (groups[i] == -1)
-        six_q8_rows_times<ROWS>(xq, weights[i].data_ptr<uint8_t>(), sp, yp, K, N, a, b);
-      else if (groups[i] == 0)
+      if (groups[i] == 0)
         q4_q8_rows_times<ROWS>(xq, weights[i].data_ptr<uint8_t>(), sp,
                                reinterpret_cast<const uint16_t*>(lows[i].data_ptr<at::Half>()), yp, K, N, a, b);
       else if (groups[i] == 16)
@@ -653,7 +511,6 @@ TORCH_LIBRARY(marginalia_gemv, m) {
   m.def("gemv_q4_groups(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
   m.def("gemv_int8_q8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("gemv_q4_q8(Tensor x, Tensor packed, Tensor scale, Tensor low) -> Tensor");
-  m.def("gemv_q6_q8(Tensor x, Tensor six, Tensor scale) -> Tensor");
   m.def("gemv_q8_many(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] lows) -> Tensor[]");
   m.def("use_avx512(bool enable) -> bool", &use_avx512);  // no tensor: one kernel for every backend
 }
@@ -663,6 +520,5 @@ TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
   m.impl("gemv_q4_groups", &gemv_q4_groups);
   m.impl("gemv_int8_q8", &gemv_int8_q8);
   m.impl("gemv_q4_q8", &gemv_q4_q8);
-  m.impl("gemv_q6_q8", &gemv_q6_q8);
   m.impl("gemv_q8_many", &gemv_q8_many);
 }
