@@ -25,7 +25,8 @@ default (every note that did not say NONE), `emb-or-rel`: the engine's `combined
 relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM's verdict alone, or `reader`: the
 notes on the case's gold segments (what a careful reader would keep). Past the window a candidate may end in
 `@lookup` (the kept notes' passages re-read into the answer window, Settings.answer_style) or `@notes` (the last
-window and the notes); without either, the engine's default style. `margins-only` answers from the selected notes
+window and the notes); `@passages`, inside one window too, answers from the kept notes' passages re-read into a
+fresh window (the rest of the document left out); without any, the engine's default style. `margins-only` answers from the selected notes
 alone, without the document (bench/baselines.py), and `plain` from the document alone (inside one window).
 
 Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
@@ -90,7 +91,7 @@ CANDIDATES = {
 
 
 SELECTIONS = ("margin", "emb-or-rel", "embedding", "reader")
-STYLES = ("lookup", "notes")
+STYLES = ("lookup", "notes", "passages")
 
 
 def parse(name: str) -> tuple[str, str, str | None]:

@@ -28,7 +28,9 @@ from .prompts import fit_notes, note_lines, prompt
 if TYPE_CHECKING:
     from .wim import Reading
 
-ANSWER_STYLES = ("notes", "lookup")  # past the window: the notes alone, or the kept notes' passages re-read too
+# notes: past the window, the last window and the notes; lookup: past the window, the kept notes' passages re-read
+# in place of the last window; passages: the same inside one window too (the document's other segments left out).
+ANSWER_STYLES = ("notes", "lookup", "passages")
 NOT_STATED = re.compile(r"\b(?:does not|doesn't|do not|did not) (?:say|state|mention|tell)|\bnot (?:stated|mentioned|"
                         r"given|specified)\b", re.IGNORECASE)
 # A sentence ends at . ! ? (after a quote or bracket too, or a citation right after it).
@@ -116,7 +118,7 @@ class Answering:
                stop: threading.Event | None = None, plain: bool = False, template: str | None = None,
                style: str | None = None) -> Iterator[Event]:
         """See Reading.answer. `template`: the answer prompt's text (default engine/prompts/answer.txt);
-        `style`: past the window, `lookup` or `notes` (default Settings.answer_style)."""
+        `style`: one of ANSWER_STYLES (default Settings.answer_style)."""
         r = self.reading
         if not r.read_segments:
             raise RuntimeError("Nothing has been read yet: call read() first.")
@@ -127,7 +129,8 @@ class Answering:
         r.meter = r.runner.meter = Meter()
         notes = self._chosen(margins)
         wim = r.settings.mode == "wim" and not plain
-        lookup = wim and r.multiwindow and (style or r.settings.answer_style) == "lookup" and bool(notes)
+        style = style or r.settings.answer_style
+        lookup = wim and bool(notes) and (style == "passages" or (style == "lookup" and r.multiwindow))
         try:
             if lookup:
                 yield from self._lookup_window(query, notes, template, stop)

@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--window", choices=WINDOWS, default=Settings.window,
                       help="past the context window: a new window carrying the margins, or a sliding cache")
     read.add_argument("--answer-style", choices=ANSWER_STYLES, default=Settings.answer_style,
-                      help="past the context window, what the answer window holds: lookup (the kept notes' passages "
-                           "read again, then the notes) or notes (the last window and the notes)")
+                      help="what the answer window holds: lookup (past the context window, the kept notes' "
+                           "passages read again, then the notes), notes (past it, the last window and the notes) or "
+                           "passages (the kept notes' passages read again inside one window too)")
     read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
                       help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
                            "lowest-scored, or group them under notes written over each group")

@@ -72,7 +72,8 @@ class Settings:
     keep_windows: bool = True          # keep each window's cache for follow-ups (remargin); off: none kept
     # Past the window: lookup (the kept notes' passages re-read into the answer window, then the notes: up to a
     # window's worth of prefill for every answer) | notes (the last window, then the notes). lookup by measurement
-    # on the tuning seed (24k tokens in 8k windows, 12 cases: 0.487 against 0.416); docs/quality.md.
+    # on the tuning seed (24k tokens in 8k windows, 12 cases: 0.487 against 0.416); docs/quality.md. passages: the
+    # look-up inside one window too (the document's other segments left out of the answer window).
     answer_style: str = "lookup"
     # Kept notes that no longer fit their room (carried into a new window, or beside an answer): drop (the
     # lowest-scored give way) | group (notes written over groups of them, engine/group_notes.py; not yet measured

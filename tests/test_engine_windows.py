@@ -291,6 +291,30 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
     assert len(re_read) == len(reading.windows) - 2
 
 
+def test_inside_one_window_the_passages_style_answers_from_the_kept_notes_passages_alone(engine):
+    """answer_style passages (opt-in, measured on the tuning seed at 16k): inside one window too, the answer
+    window holds only the kept notes' passages, re-read in document order, then the notes and the question; the
+    default answer afterwards is back on the whole document, the same as a reading that never looked up."""
+    text = _alice(1600)
+    settings = replace(WINDOWED, context_limit=None, answer_style="lookup")
+    reading = engine.open(text, settings)
+    list(reading.read(OLD))
+    assert not reading.multiwindow and len(reading.segments) >= 3
+    chosen = [i for i in reading.default_selection() if reading.margins[i].text][::2]  # every other kept note
+    answer = next(e for e in reading.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
+    window = reading.answering.window
+    assert window.passages and answer.passages == window.passages == sorted(window.passages)
+    assert set(window.passages) <= set(chosen) and len(window.passages) < len(reading.segments)
+    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
+    assert window.ids[:len(passages)] == passages
+    assert reading.cache.length == len(engine.layout.prefix) + len(passages)
+    again = next(e for e in reading.answer(OLD) if isinstance(e, Answer))  # lookup: only past the window
+    fresh = engine.open(text, settings)
+    list(fresh.read(OLD))
+    assert again.passages == [] and again.text == next(e for e in fresh.answer(OLD) if isinstance(e, Answer)).text
+    assert reading.cache.length == reading.doc_end
+
+
 def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
     """A 3-window reading answered with the look-up (answer_style lookup): the answer window holds the passages
     of the kept notes, re-read in document order (their token ids), then the notes in reading order and the
