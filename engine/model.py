@@ -439,8 +439,9 @@ def gguf_file(spec: str) -> Path | None:
 
 DECODE_WEIGHTS = ("gguf4", "gguf", "gguf-q8", "full")
 DECODE_WEIGHTS_HELP = ("gguf-q8: decode steps read the GGUF's 4-, 6- and 8-bit tensors as the file holds them, each "
-                       "step's inputs rounded to int8 blocks as llama.cpp does (AVX2 kernels, AVX-512 VNNI where the CPU has it); gguf: the same in fp32 "
-                       "sums; gguf4: its 4-bit blocks through torch's int4 kernel; full: the loaded weights only [env "
+                       "step's inputs rounded to int8 blocks as llama.cpp does (AVX2 kernels, AVX-512 VNNI where the "
+                       "CPU has it); gguf: the same in fp32 sums; gguf4: its 4-bit blocks through torch's int4 "
+                       "kernel; full: the loaded weights only [env "
                        "MARGINALIA_DECODE_WEIGHTS; auto: gguf-q8 on a CPU with AVX-512, gguf4 there if the kernels "
                        "cannot be built]")
 
@@ -448,8 +449,9 @@ DECODE_WEIGHTS_HELP = ("gguf-q8: decode steps read the GGUF's 4-, 6- and 8-bit t
 def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.dtype) -> str:
     """`gguf-q8`: decode steps read the GGUF's 4-, 6- and 8-bit tensors as the file holds them through
     engine/kernels (AVX2, or AVX-512 VNNI where the CPU has it, the same values), each step's inputs rounded to
-    int8 blocks as llama.cpp rounds them (integer dot products), and go through engine/decode_step.py; `gguf`: the same tensors with fp32 sums; `gguf4`: the 4-bit
-    blocks through torch's int4 kernel (engine/packed.py); `full`: the loaded weights only. `auto`
+    int8 blocks as llama.cpp rounds them (integer dot products), and go through engine/decode_step.py; `gguf`:
+    the same tensors with fp32 sums; `gguf4`: the 4-bit blocks through torch's int4 kernel (engine/packed.py);
+    `full`: the loaded weights only. `auto`
     (MARGINALIA_DECODE_WEIGHTS, else `auto`): on a CPU with AVX-512 in fp32, bf16 or fp16 (a GPU has no use for the
     CPU kernels, and fp64 is there for exact comparisons) `gguf-q8`, or `gguf4` where engine/kernels cannot be
     built (no compiler). gguf-q8 decoded the 1.5B 1.35x faster than gguf4 on 2 threads of an Intel Xeon and 2.5-3x

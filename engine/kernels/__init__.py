@@ -77,8 +77,8 @@ class Native:
                 name = Path(self.source).stem
                 build = _build_dir() / name
                 build.mkdir(parents=True, exist_ok=True)
-                flags, needs = self.wider
-                flags = [*self.flags, *(flags if needs <= cpu_flags() else [])]
+                wider_flags, wider_needs = self.wider
+                flags = [*self.flags, *(wider_flags if wider_needs <= cpu_flags() else [])]
                 cpp_extension.load(name=f"marginalia_{name}", sources=[str(HERE / self.source)],
                                    extra_cflags=["-O3", *flags, *OPENMP], extra_ldflags=OPENMP,
                                    build_directory=str(build), is_python_module=False, verbose=False)
