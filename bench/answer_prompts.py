@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                         default="babilong,multihop,aggregation,hotpotqa,squad,unanswerable")
     parser.add_argument("--length", default="4000")
     parser.add_argument("--n", type=int, default=3)
+    parser.add_argument("--first", type=int, default=0, help="skip the cases whose index is below this (cases read "
+                        "on another machine, whose records are kept apart)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--margin-tokens", type=int, default=64)
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     args.quick = False
     engine = load_engine(None, None, args.model)
     tok = engine.lm.tokenizer
-    cases = generate_cases(tok, args.tasks.split(","), [int(x) for x in args.length.split(",")], args)
+    cases = [c for c in generate_cases(tok, args.tasks.split(","), [int(x) for x in args.length.split(",")], args)
+             if c.index >= args.first]
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
                           args.context_limit)
     fp = fingerprint(engine, args)
