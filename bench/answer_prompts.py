@@ -26,8 +26,9 @@ relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM
 notes on the case's gold segments (what a careful reader would keep). Past the window a candidate may end in
 `@lookup` (the kept notes' passages re-read into the answer window, Settings.answer_style) or `@notes` (the last
 window and the notes); `@passages`, inside one window too, answers from the kept notes' passages re-read into a
-fresh window (the rest of the document left out); without any, the engine's default style. `margins-only` answers from the selected notes
-alone, without the document (bench/baselines.py), and `plain` from the document alone (inside one window).
+fresh window (the rest of the document left out); without any, the engine's default style. `margins-only` answers
+from the selected notes alone, without the document (bench/baselines.py), and `plain` from the document alone
+(inside one window).
 
 Per candidate: the mean score, the rate of citations on answers where a note was kept, the "not stated" rate on
 answerable and on unanswerable cases, and answers cut at their token limit. Records in --out, one line per
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma list of PROMPT[+SELECTION][@STYLE], PROMPT one of " + ", ".join(CANDIDATES)
                              + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
-                             "STYLE (past the window) one of " + ", ".join(STYLES) + "; plain is always run")
+                             "STYLE (lookup and notes: past the window; passages: inside it too) one of " + ", ".join(STYLES) + "; plain is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
                         help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "
