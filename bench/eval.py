@@ -46,11 +46,12 @@ from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 # read's own MiniLM verdicts); wim-reader: the margins a careful reader would keep (those on the case's gold
 # segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins, answered past the
 # window with their passages re-read into the answer window (answer_style lookup); wim-notes: the same margins
-# answered from the last window and the notes alone (answer_style notes).
+# answered from the last window and the notes alone (answer_style notes); wim-passages: the default classifier's
+# margins answered from their passages re-read into a fresh window, inside one window too (answer_style passages).
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
              "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup"),
-             "wim-notes": ("margin", "notes")}
+             "wim-notes": ("margin", "notes"), "wim-passages": ("combined", "passages")}
 # Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
 # Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
 # over each group, which changes what later windows read, so it cannot share the default read).
@@ -149,12 +150,19 @@ class Evaluator:
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
                         answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit)
 
-    def wim_read(self, case: Case, base) -> tuple[object, dict]:
-        """(reading, its record): read now, or taken up from --reads where an earlier run kept it."""
+    def wim_read(self, case: Case, base, notes_only: dict | None = None) -> tuple[object, dict]:
+        """(reading, its record): read now, or taken up from --reads where an earlier run kept it, or (given
+        `notes_only`, a wim-read record) its notes taken up without a cache, for answers that re-read passages."""
+        from engine.margin_writing import MarginNote
         reading = self.engine.open(case.text, base)
         kept = self.reads / case.key.replace("/", "-") if self.reads else None
         if kept and (kept / "wim-read.json").exists() and reading.restore(kept):
             return reading, json.loads((kept / "wim-read.json").read_text())
+        if notes_only is not None:
+            keep = notes_only["verdicts"].get(base.classifier, {})
+            reading.restore_notes([MarginNote(int(i), text, keep.get(i), notes_only["relevance"][i])
+                                   for i, text in notes_only["margins"].items()])
+            return reading, notes_only
         record = self._read(case, reading)
         if kept:
             # Past the window only the last window's cache: answers need no other (~0.2 GB a 24k case at 8k).
@@ -203,17 +211,28 @@ class Evaluator:
         read = stored.get("wim-read")
         plain_needed = "llm" in modes and "llm" not in stored
         if wim_needed or ("margins-only" in modes and "margins-only" not in stored and read is None):
-            reading, read = self.wim_read(case, self.settings(case, "wim"))
+            # Answers already recorded for this read: one whose key a needed mode shares is not computed again,
+            # and where every other needed answer re-reads its passages, the read's notes are all it takes.
+            answered: dict[tuple, dict] = {}  # answer key -> record: two modes giving the same (greedy) answer
+            if read is not None:
+                answered = {self._answer_key(rec["margins_used"], WIM_MODES[m][1], read["windows"] > 1): rec
+                            for m, rec in stored.items() if m in WIM_MODES and "margins_used" in rec}
+            stored_read = read
+            reading, read = self.wim_read(case, self.settings(case, "wim"),
+                                          notes_only=read if read and self._notes_suffice(read, wim_needed, answered)
+                                          and not plain_needed else None)
+            notes_only = read is stored_read  # no cache: every answer below re-reads its passages
+            if not notes_only:
+                answered = {}  # a new read: the recorded answers were another read's
+                out["wim-read"] = read
             # JSON keys are strings: a record taken up from --reads gives them back as numbers.
             verdicts = {method: {int(i): v for i, v in got.items()} for method, got in read["verdicts"].items()}
-            out["wim-read"] = read
-            answered: dict[tuple, dict] = {}  # selection -> record: two classifiers keeping the same margins
-            for mode in wim_needed:           # get the same (greedy) answer, computed once
+            for mode in wim_needed:
                 selection, style = WIM_MODES[mode]
                 if selection not in verdicts:
                     continue
                 chosen = [i for i, keep in verdicts[selection].items() if keep]
-                key = (tuple(chosen), style if reading.multiwindow else None)  # one window: no look-up either way
+                key = self._answer_key(chosen, style, reading.multiwindow)
                 if key in answered:
                     same = answered[key]
                     out[mode] = same | {"mode": mode, "same_selection_as": same["mode"]}
@@ -222,7 +241,8 @@ class Evaluator:
                 answer = [e for e in reading.answer(case.query, margins=chosen, style=style)
                           if isinstance(e, Answer)][0]
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
-                                         ending=answer.ending, citations=answer.citations, passages=answer.passages)
+                                         ending=answer.ending, citations=answer.citations, passages=answer.passages,
+                                         **({"notes_from_record": True} if notes_only else {}))
                 answered[key] = out[mode]
             if plain_needed and not reading.multiwindow:
                 t = time.perf_counter()
@@ -257,6 +277,28 @@ class Evaluator:
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending,
                                          **extra)
         return out
+
+    @staticmethod
+    def _answer_key(chosen, style: str | None, multiwindow: bool) -> tuple:
+        """Two answers with the same key are the same greedy computation: the same margins, answered in the same
+        style (inside one window only `passages` differs from the default; with no margin, no style does)."""
+        from engine import Settings
+        style = style or Settings.answer_style
+        if multiwindow and style == "passages":
+            style = "lookup"  # past the window the two are one
+        if not chosen or (not multiwindow and style != "passages"):
+            style = None
+        return tuple(sorted(int(i) for i in chosen)), style
+
+    def _notes_suffice(self, read: dict, needed: list[str], answered: dict) -> bool:
+        """Whether every needed wim answer is recorded already or re-reads its passages (no cache needed)."""
+        for mode in needed:
+            selection, style = WIM_MODES[mode]
+            chosen = [i for i, keep in read["verdicts"].get(selection, {}).items() if keep]
+            key = self._answer_key(chosen, style, read["windows"] > 1)
+            if key not in answered and key[1] not in ("passages", "lookup"):
+                return False
+        return True
 
     @staticmethod
     def _record(case: Case, mode: str, prediction: str, seconds: float, **extra) -> dict:
@@ -412,7 +454,11 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         "exact matches count) with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
         "bootstrap interval. wim-margin / wim-llm / wim-embedding / wim-none: WiM answering with the margins each "
         "classifier keeps (margin: the note's own relevance; none: all margins); margins-only: the notes the "
-        f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document.\n",
+        f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document"
+        + ("; wim-passages: the default classifier's margins answered from their passages re-read into a fresh "
+           "window, then the notes and the question (the rest of the document left out)"
+           + ("; answers marked notes_from_record in the records took up the recorded read's notes, not its cache"
+              if meta.get("notes_from_record") else "") if "wim-passages" in modes else "") + ".\n",
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
@@ -542,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["wim_read_seconds"] = sum(reads) / len(reads) if reads else None
         meta["wall_seconds"] = time.perf_counter() - started
         meta["agreement"] = agreement(records)
+        meta["notes_from_record"] = sum(bool(r.get("notes_from_record")) for m in records.values() for r in m.values())
         meta["form"] = answer_form(cases, records, modes)
         data = {"meta": meta, "results": rows,
                 "cases": [{"case": c.key, "task": c.task, "length": c.length, "query": c.query, "answers": c.answers,

@@ -237,8 +237,8 @@ class Answering:
         """Fill the cache with the prefix and the passages of the chosen notes, in document order, as many as fit
         beside all the notes and the question (the highest-scored notes' passages first when not all fit)."""
         r = self.reading
-        last = r.windows[-1]
-        if r.cache_window is last and not last.kept:
+        last = r.windows[-1] if r.windows else None  # none: notes taken up without their cache (restore_notes)
+        if last is not None and r.cache_window is last and not last.kept:
             notice = r._keep_window(last)  # remargin, saving and plain follow-ups need it back afterwards
             if notice:
                 yield notice

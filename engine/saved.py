@@ -51,6 +51,16 @@ def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = 
     partial.rename(folder)
 
 
+def restore_notes(reading: "Reading", notes: list[MarginNote]) -> None:
+    """Take up a reading's notes without its cache (a read whose cache was not kept, only its notes: a record of
+    it): every segment counts as read, and the cache stays empty. An answer that re-reads its notes' passages
+    (answer style `passages`, or `lookup` past the window) needs nothing more; one that needs the text in the
+    cache says so."""
+    reading._reset(Meter())
+    reading.read_segments[:] = [s.index for s in reading.segments]
+    reading.margins.update({n.index: n for n in notes})
+
+
 def restore(reading: "Reading", folder: str | os.PathLike) -> bool:
     """Take up a reading saved by save() (in this or another process): the last window goes into the cache, the
     others stay on disk until remargin() needs them. False if it was saved for another model, text or

@@ -431,6 +431,9 @@ class Reading:
     def restore(self, folder: str | os.PathLike) -> bool:
         return saved.restore(self, folder)
 
+    def restore_notes(self, notes: list[MarginNote]) -> None:
+        saved.restore_notes(self, notes)
+
     def _reset(self, meter: Meter) -> None:
         self.meter = self.runner.meter = meter
         self.cache.truncate(0)
@@ -487,6 +490,9 @@ class Reading:
 
     def last_window_in_cache(self, stop: threading.Event | None = None) -> Iterator[Event]:
         """Make the cache hold the last window again (after a look-up answer or a remargin left another there)."""
+        if not self.windows:
+            raise RuntimeError("This reading holds its notes but not its text (restore_notes): only an answer "
+                               "that re-reads its notes' passages can be given without reading it again.")
         last = self.windows[-1]
         if self.cache_window is last:
             return

@@ -214,3 +214,27 @@ def test_eval_takes_up_kept_reads(tmp_path):
         case = key[0]
         assert b[(case, "wim-margin")]["prediction"] == a[(case, "wim-margin")]["prediction"]
         assert (case, "wim-reader") in b
+
+
+def test_eval_answers_passages_from_the_recorded_notes_without_reading_again(tmp_path):
+    """wim-passages added to a finished run re-reads only the kept notes' passages: the recorded read's notes
+    are taken up (no cache, no new wim read), and its answers are those of a run that reads the cases afresh."""
+    shared("babi", "qa1_single-supporting-fact_test.txt")
+    tasks = ("--task", "babilong,multihop")
+    recorded, fresh = tmp_path / "recorded", tmp_path / "fresh"
+    _run("bench.eval", recorded, *tasks, "--modes", "wim-combined")
+    _run("bench.eval", recorded, *tasks, "--modes", "wim-combined,wim-passages")
+    _run("bench.eval", fresh, *tasks, "--modes", "wim-passages")
+
+    def records(folder):
+        return [json.loads(line) for line in (folder / "eval_cases.jsonl").read_text().splitlines()]
+
+    again = records(recorded)
+    assert sum(r["mode"] == "wim-read" for r in again) == 2  # one read a case, from the first run
+    fresh_answers = {r["case"]: r for r in records(fresh) if r["mode"] == "wim-passages"}
+    for r in (r for r in again if r["mode"] == "wim-passages"):
+        if r["margins_used"]:  # notes kept: their passages re-read into a fresh window
+            assert r["notes_from_record"] and r["passages"]
+        else:  # nothing kept: the default answer, recorded already
+            assert r["same_selection_as"] == "wim-combined"
+        assert r["prediction"] == fresh_answers[r["case"]]["prediction"]

@@ -315,6 +315,27 @@ def test_inside_one_window_the_passages_style_answers_from_the_kept_notes_passag
     assert reading.cache.length == reading.doc_end
 
 
+def test_notes_taken_up_without_their_cache_give_the_passages_answer_of_the_read_itself(engine):
+    """A reading's notes taken up without its cache (restore_notes: say, from a record of the read) give the
+    same passages-style answer, token for token, as the reading that holds its cache; an answer that needs the
+    text in the cache says so instead of answering from nothing."""
+    text = _alice(1600)
+    settings = replace(WINDOWED, context_limit=None)
+    reading = engine.open(text, settings)
+    list(reading.read(OLD))
+    chosen = reading.default_selection()
+    assert chosen
+    read = next(e for e in reading.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
+    notes_only = engine.open(text, settings)
+    notes_only.restore_notes([copy.deepcopy(m) for m in reading.margins.values()])
+    assert notes_only.cache.length == 0 and not notes_only.windows
+    taken_up = next(e for e in notes_only.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
+    assert notes_only.answering.window.ids == reading.answering.window.ids
+    assert (taken_up.text, taken_up.passages, taken_up.citations) == (read.text, read.passages, read.citations)
+    with pytest.raises(RuntimeError, match="notes but not its text"):
+        list(notes_only.answer(OLD, margins=chosen))
+
+
 def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
     """A 3-window reading answered with the look-up (answer_style lookup): the answer window holds the passages
     of the kept notes, re-read in document order (their token ids), then the notes in reading order and the
