@@ -26,7 +26,8 @@ relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM
 notes on the case's gold segments (what a careful reader would keep). Past the window a candidate may end in
 `@lookup` (the kept notes' passages re-read into the answer window, Settings.answer_style) or `@notes` (the last
 window and the notes); `@passages`, inside one window too, answers from the kept notes' passages re-read into a
-fresh window (the rest of the document left out); without any, the engine's default style. `margins-only` answers
+fresh window (the rest of the document left out), `@recall`, inside one window, from the whole document with the
+kept notes' passages re-read after it; without any, the engine's default style. `margins-only` answers
 from the selected notes alone, without the document (bench/baselines.py), and `plain` from the document alone
 (inside one window).
 
@@ -43,7 +44,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.answering import says_not_stated
+from engine.answering import ANSWER_STYLES as STYLES, says_not_stated
 from engine.prompts import prompt
 
 from .common import RESULTS, cpu_name, load_engine, md_table, write_results
@@ -92,7 +93,6 @@ CANDIDATES = {
 
 
 SELECTIONS = ("margin", "emb-or-rel", "embedding", "reader")
-STYLES = ("lookup", "notes", "passages")
 
 
 def parse(name: str) -> tuple[str, str, str | None]:
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma list of PROMPT[+SELECTION][@STYLE], PROMPT one of " + ", ".join(CANDIDATES)
                              + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
-                             "STYLE (lookup and notes: past the window; passages: inside it too) one of " + ", ".join(STYLES) + "; plain is always run")
+                             "STYLE (lookup and notes: past the window; passages: inside it too; recall: inside "
+                             "it) one of " + ", ".join(STYLES) + "; plain is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
                         help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "

@@ -47,11 +47,13 @@ from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 # segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins, answered past the
 # window with their passages re-read into the answer window (answer_style lookup); wim-notes: the same margins
 # answered from the last window and the notes alone (answer_style notes); wim-passages: the default classifier's
-# margins answered from their passages re-read into a fresh window, inside one window too (answer_style passages).
+# margins answered from their passages re-read into a fresh window, inside one window too (answer_style passages);
+# wim-recall: the same margins' passages re-read after the whole document (answer_style recall).
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
              "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup"),
-             "wim-notes": ("margin", "notes"), "wim-passages": ("combined", "passages")}
+             "wim-notes": ("margin", "notes"), "wim-passages": ("combined", "passages"),
+             "wim-recall": ("combined", "recall")}
 # Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
 # Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
 # over each group, which changes what later windows read, so it cannot share the default read).
@@ -284,9 +286,9 @@ class Evaluator:
         style (inside one window only `passages` differs from the default; with no margin, no style does)."""
         from engine import Settings
         style = style or Settings.answer_style
-        if multiwindow and style == "passages":
-            style = "lookup"  # past the window the two are one
-        if not chosen or (not multiwindow and style != "passages"):
+        if multiwindow and style in ("passages", "recall"):
+            style = "lookup"  # past the window the three are one
+        if not chosen or (not multiwindow and style not in ("passages", "recall")):
             style = None
         return tuple(sorted(int(i) for i in chosen)), style
 
@@ -458,7 +460,9 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         + ("; wim-passages: the default classifier's margins answered from their passages re-read into a fresh "
            "window, then the notes and the question (the rest of the document left out)"
            + ("; answers marked notes_from_record in the records took up the recorded read's notes, not its cache"
-              if meta.get("notes_from_record") else "") if "wim-passages" in modes else "") + ".\n",
+              if meta.get("notes_from_record") else "") if "wim-passages" in modes else "")
+        + ("; wim-recall: the same margins' passages re-read after the whole document, next to the question"
+           if "wim-recall" in modes else "") + ".\n",
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]

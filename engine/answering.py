@@ -11,6 +11,11 @@ plus margins, which the paper's ablation found better than either alone):
 
     [prefix][passage of kept note a][passage of kept note b]...[notes + question][answer tokens]
 
+Inside one window the `recall` style keeps the document and re-reads the kept notes' passages after it, so that
+the facts the notes point to sit next to the question, not in the middle of a long text:
+
+    [prefix][segment 0]...[segment n-1][passage of kept note a]...[notes + question][answer tokens]
+
 The look-up window replaces the last window in the cache (kept first, for remargin and follow-ups).
 """
 from __future__ import annotations
@@ -29,8 +34,10 @@ if TYPE_CHECKING:
     from .wim import Reading
 
 # notes: past the window, the last window and the notes; lookup: past the window, the kept notes' passages re-read
-# in place of the last window; passages: the same inside one window too (the document's other segments left out).
-ANSWER_STYLES = ("notes", "lookup", "passages")
+# in place of the last window; passages: the same inside one window too (the document's other segments left out);
+# recall: inside one window, the kept notes' passages re-read after the whole document, next to the question (past
+# the window, lookup).
+ANSWER_STYLES = ("notes", "lookup", "passages", "recall")
 NOT_STATED = re.compile(r"\b(?:does not|doesn't|do not|did not) (?:say|state|mention|tell)|\bnot (?:stated|mentioned|"
                         r"given|specified)\b", re.IGNORECASE)
 # A sentence ends at . ! ? (after a quote or bracket too, or a citation right after it).
@@ -130,16 +137,22 @@ class Answering:
         notes = self._chosen(margins)
         wim = r.settings.mode == "wim" and not plain
         style = style or r.settings.answer_style
-        lookup = wim and bool(notes) and (style == "passages" or (style == "lookup" and r.multiwindow))
+        lookup = wim and bool(notes) and (style == "passages" or (style in ("lookup", "recall") and r.multiwindow))
+        recall = wim and bool(notes) and style == "recall" and not r.multiwindow
         try:
             if lookup:
                 yield from self._lookup_window(query, notes, template, stop)
+            elif recall:
+                yield from self._recall(query, notes, template, stop)
             else:
                 yield from r.last_window_in_cache(stop)
                 r.cache.truncate(r.doc_end)
                 self.window = AnswerWindow()
         except Stopped:
-            r.cache_window = None  # half built: the next answer builds it again
+            if recall:
+                r.cache.truncate(r.doc_end)  # the document is whole: only the passages half re-read go
+            else:
+                r.cache_window = None  # half built: the next answer builds it again
             yield r._stats("answer", stopped=True)
             return
         if wim:
@@ -169,7 +182,8 @@ class Answering:
             yield r._stats("answer", stopped=True)
             return
         finally:
-            r.cache.truncate(end)  # ready for a follow-up question: the document's end (or the look-up's)
+            # ready for a follow-up question: the document's end (or the look-up's; recall's passages go too)
+            r.cache.truncate(r.doc_end if recall else end)
         self.window.ids = self.window.ids + list(ids)
         yield from r.runner.drain()
         text = complete_sentences(result.text, result.reason)
@@ -233,6 +247,41 @@ class Answering:
                          room - r.settings.answer_tokens, in_cache=in_cache,
                          label=lambda i: note_label(r.segments[i]))
 
+    def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
+        """The chosen notes whose passages fit in `room` beside all the notes and the question, in document order
+        (the highest-scored notes' passages first when not all fit)."""
+        r = self.reading
+        every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
+        room -= len(every_note) + r.settings.answer_tokens
+        scores = r._note_scores()
+        chosen, used = [], 0
+        for i in sorted(notes, key=lambda i: (-scores.get(i, 1.0), i)):
+            if used + r.segments[i].tokens <= room:
+                chosen.append(i)
+                used += r.segments[i].tokens
+        return sorted(chosen)
+
+    def _feed_passages(self, chosen: list[int], stop) -> list[int]:
+        r = self.reading
+        ids: list[int] = []
+        with r.engine.lock:
+            for i in chosen:
+                piece = r.doc.segment_ids(r.segments[i])
+                r.runner.prefill(piece, r.cache, stop)
+                ids += piece
+        return ids
+
+    def _recall(self, query: str, notes: dict[int, str], template: str | None, stop) -> Iterator[Event]:
+        """Inside one window: the document in the cache, then the chosen notes' passages re-read after it."""
+        r = self.reading
+        yield from r.last_window_in_cache(stop)
+        r.cache.truncate(r.doc_end)
+        chosen = self._passages_that_fit(query, notes, template, r.limit - r.doc_end)
+        self.window = AnswerWindow(chosen, self._feed_passages(chosen, stop))
+        if len(chosen) < len(notes):
+            yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
+                         "(as many as fit in the window) after the document.")
+
     def _lookup_window(self, query: str, notes: dict[int, str], template: str | None, stop) -> Iterator[Event]:
         """Fill the cache with the prefix and the passages of the chosen notes, in document order, as many as fit
         beside all the notes and the question (the highest-scored notes' passages first when not all fit)."""
@@ -242,25 +291,12 @@ class Answering:
             notice = r._keep_window(last)  # remargin, saving and plain follow-ups need it back afterwards
             if notice:
                 yield notice
-        every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
-        room = r.limit - len(r.layout.prefix) - len(every_note) - r.settings.answer_tokens
-        scores = r._note_scores()
-        chosen, used = [], 0
-        for i in sorted(notes, key=lambda i: (-scores.get(i, 1.0), i)):
-            if used + r.segments[i].tokens <= room:
-                chosen.append(i)
-                used += r.segments[i].tokens
-        chosen.sort()
+        chosen = self._passages_that_fit(query, notes, template, r.limit - len(r.layout.prefix))
         r.cache.truncate(0)
         r.cache_window = None  # the cache holds no reading window now
-        ids: list[int] = []
         with r.engine.lock:
             r.runner.prefill(r.layout.prefix, r.cache, stop)
-            for i in chosen:
-                piece = r.doc.segment_ids(r.segments[i])
-                r.runner.prefill(piece, r.cache, stop)
-                ids += piece
-        self.window = AnswerWindow(chosen, ids)
+        self.window = AnswerWindow(chosen, self._feed_passages(chosen, stop))
         if len(chosen) < len(notes):
             yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
                          "(as many as fit in the window) beside all the notes.")

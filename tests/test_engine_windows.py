@@ -315,6 +315,28 @@ def test_inside_one_window_the_passages_style_answers_from_the_kept_notes_passag
     assert reading.cache.length == reading.doc_end
 
 
+def test_the_recall_style_re_reads_the_kept_notes_passages_after_the_whole_document(engine):
+    """answer_style recall: inside one window the document stays in the cache and the kept notes' passages are
+    re-read after it (their token ids, in document order), then the notes and the question; afterwards the
+    cache is back at the document's end, and the default answer is a fresh reading's."""
+    text = _alice(1600)
+    settings = replace(WINDOWED, context_limit=None)
+    reading = engine.open(text, settings)
+    list(reading.read(OLD))
+    chosen = reading.default_selection()[1::2]
+    doc_end = reading.doc_end
+    answer = next(e for e in reading.answer(OLD, margins=chosen, style="recall") if isinstance(e, Answer))
+    window = reading.answering.window
+    assert answer.passages == window.passages == chosen
+    passages = [t for i in chosen for t in reading.doc.segment_ids(reading.segments[i])]
+    assert window.ids[:len(passages)] == passages and len(window.ids) > len(passages)  # then notes, question
+    assert reading.cache.length == doc_end
+    again = next(e for e in reading.answer(OLD) if isinstance(e, Answer))
+    fresh = engine.open(text, settings)
+    list(fresh.read(OLD))
+    assert again.text == next(e for e in fresh.answer(OLD) if isinstance(e, Answer)).text
+
+
 def test_notes_taken_up_without_their_cache_give_the_passages_answer_of_the_read_itself(engine):
     """A reading's notes taken up without its cache (restore_notes: say, from a record of the read) give the
     same passages-style answer, token for token, as the reading that holds its cache; an answer that needs the
