@@ -283,7 +283,8 @@ class Evaluator:
     @staticmethod
     def _answer_key(chosen, style: str | None, multiwindow: bool) -> tuple:
         """Two answers with the same key are the same greedy computation: the same margins, answered in the same
-        style (inside one window only `passages` differs from the default; with no margin, no style does)."""
+        style (inside one window only `passages` and `recall` differ from the default, past it `notes` from the
+        rest; with no margin, no style does)."""
         from engine import Settings
         style = style or Settings.answer_style
         if multiwindow and style in ("passages", "recall"):
