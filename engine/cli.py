@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--answer-style", choices=ANSWER_STYLES, default=Settings.answer_style,
                       help="what the answer window holds: lookup (past the context window, the kept notes' "
                            "passages read again, then the notes), notes (past it, the last window and the notes) or "
-                           "passages (the kept notes' passages read again inside one window too)")
+                           "passages (the kept notes' passages read again inside one window too) or recall (inside "
+                           "one window, the whole document and then the kept notes' passages read again)")
     read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
                       help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
                            "lowest-scored, or group them under notes written over each group")

@@ -73,7 +73,9 @@ class Settings:
     # Past the window: lookup (the kept notes' passages re-read into the answer window, then the notes: up to a
     # window's worth of prefill for every answer) | notes (the last window, then the notes). lookup by measurement
     # on the tuning seed (24k tokens in 8k windows, 12 cases: 0.487 against 0.416); docs/quality.md. passages: the
-    # look-up inside one window too (the document's other segments left out of the answer window).
+    # look-up inside one window too (the document's other segments left out of the answer window); recall: inside
+    # one window, the passages read again after the whole document. Both below the default at 16k on the tuning
+    # seed (docs/quality.md).
     answer_style: str = "lookup"
     # Kept notes that no longer fit their room (carried into a new window, or beside an answer): drop (the
     # lowest-scored give way) | group (notes written over groups of them, engine/group_notes.py; not yet measured
