@@ -74,7 +74,7 @@ class Settings:
     # window's worth of prefill for every answer) | notes (the last window, then the notes). lookup by measurement
     # on the tuning seed (24k tokens in 8k windows, 12 cases: 0.487 against 0.416); docs/quality.md. passages: the
     # look-up inside one window too (the document's other segments left out of the answer window); recall: inside
-    # one window, the passages read again after the whole document. Both below the default at 16k on the tuning
+    # one window, the passages read again after the whole document. Neither above the default at 16k on the tuning
     # seed (docs/quality.md).
     answer_style: str = "lookup"
     # Kept notes that no longer fit their room (carried into a new window, or beside an answer): drop (the
