@@ -13,7 +13,9 @@ Cost is in reading the document, so each case is read once per reading pattern:
 - `rag` reads once; so does `wim-group` (notes that overflow their room grouped under notes over each group:
   a different read past the window, where the carried notes change what later windows see).
 With `--reads DIR` each case's wim read (its cache, engine/saved.py, and its record) is kept there and taken up
-again by a later run, so a changed answer prompt or a new wim mode costs answers, not reads.
+again by a later run, so a changed answer prompt or a new wim mode costs answers, not reads. Without it, a mode
+whose answer re-reads its notes' passages (wim-passages; past the window the look-up) added to a finished run
+needs no read either: the recorded read's notes are taken up without a cache (Reading.restore_notes).
 Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
 skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
 """
