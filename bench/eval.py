@@ -36,7 +36,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.answering import says_not_stated
+from engine.answering import answer_window, says_not_stated
 from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
 
@@ -284,16 +284,11 @@ class Evaluator:
 
     @staticmethod
     def _answer_key(chosen, style: str | None, multiwindow: bool) -> tuple:
-        """Two answers with the same key are the same greedy computation: the same margins, answered in the same
-        style (inside one window only `passages` and `recall` differ from the default, past it `notes` from the
-        rest; with no margin, no style does)."""
+        """Two answers with the same key are the same greedy computation: the same margins, and the same window
+        read beside them (engine/answering.py's answer_window)."""
         from engine import Settings
-        style = style or Settings.answer_style
-        if multiwindow and style in ("passages", "recall"):
-            style = "lookup"  # past the window the three are one
-        if not chosen or (not multiwindow and style not in ("passages", "recall")):
-            style = None
-        return tuple(sorted(int(i) for i in chosen)), style
+        return tuple(sorted(int(i) for i in chosen)), answer_window(style or Settings.answer_style, multiwindow,
+                                                                    bool(chosen))
 
     def _notes_suffice(self, read: dict, needed: list[str], answered: dict) -> bool:
         """Whether every needed wim answer is recorded already or re-reads its passages (no cache needed)."""
@@ -301,7 +296,7 @@ class Evaluator:
             selection, style = WIM_MODES[mode]
             chosen = [i for i, keep in read["verdicts"].get(selection, {}).items() if keep]
             key = self._answer_key(chosen, style, read["windows"] > 1)
-            if key not in answered and key[1] not in ("passages", "lookup"):
+            if key not in answered and key[1] != "passages":
                 return False
         return True
 

@@ -38,6 +38,20 @@ if TYPE_CHECKING:
 # recall: inside one window, the kept notes' passages re-read after the whole document, next to the question (past
 # the window, lookup).
 ANSWER_STYLES = ("notes", "lookup", "passages", "recall")
+
+
+def answer_window(style: str, multiwindow: bool, has_notes: bool) -> str:
+    """What an answer in `style` reads besides its notes and the question: `text`, what the reading's cache holds
+    (the document; past the window, its last window); `passages`, the kept notes' passages re-read into a fresh
+    window (no cache of the text needed); `recall`, the document and then those passages again. Without a note
+    to point at passages, every style reads the text."""
+    if not has_notes:
+        return "text"
+    if style == "passages" or (multiwindow and style in ("lookup", "recall")):
+        return "passages"
+    return "recall" if style == "recall" else "text"
+
+
 NOT_STATED = re.compile(r"\b(?:does not|doesn't|do not|did not) (?:say|state|mention|tell)|\bnot (?:stated|mentioned|"
                         r"given|specified)\b", re.IGNORECASE)
 # A sentence ends at . ! ? (after a quote or bracket too, or a citation right after it).
@@ -136,18 +150,17 @@ class Answering:
         r.meter = r.runner.meter = Meter()
         notes = self._chosen(margins)
         wim = r.settings.mode == "wim" and not plain
-        style = style or r.settings.answer_style
-        lookup = wim and bool(notes) and (style == "passages" or (style in ("lookup", "recall") and r.multiwindow))
-        recall = wim and bool(notes) and style == "recall" and not r.multiwindow
+        reads = answer_window(style or r.settings.answer_style, r.multiwindow, bool(notes)) if wim else "text"
+        lookup, recall = reads == "passages", reads == "recall"
         try:
             if lookup:
                 yield from self._lookup_window(query, notes, template, stop)
-            elif recall:
-                yield from self._recall(query, notes, template, stop)
             else:
                 yield from r.last_window_in_cache(stop)
                 r.cache.truncate(r.doc_end)
                 self.window = AnswerWindow()
+                if recall:
+                    yield from self._recall(query, notes, template, stop)
         except Stopped:
             if recall:
                 r.cache.truncate(r.doc_end)  # the document is whole: only the passages half re-read go
@@ -272,10 +285,8 @@ class Answering:
         return ids
 
     def _recall(self, query: str, notes: dict[int, str], template: str | None, stop) -> Iterator[Event]:
-        """Inside one window: the document in the cache, then the chosen notes' passages re-read after it."""
+        """Inside one window, the document in the cache: the chosen notes' passages re-read after it."""
         r = self.reading
-        yield from r.last_window_in_cache(stop)
-        r.cache.truncate(r.doc_end)
         chosen = self._passages_that_fit(query, notes, template, r.limit - r.doc_end)
         self.window = AnswerWindow(chosen, self._feed_passages(chosen, stop))
         if len(chosen) < len(notes):
