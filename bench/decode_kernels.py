@@ -2,9 +2,10 @@
 copies (engine/kernels' gemv_q4 and gemv_int8 over the GGUF's own 4-, 6- and 8-bit values) against the full
 weights, in one process: the model is loaded once with `gguf`, and each repetition runs a step six ways in turn
 (full weights; the 4-bit copies only; the 6- and 8-bit copies only; both; both with the inputs rounded to int8
-blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py), at the context a 512-token
-prefill left; where the kernels were built with AVX-512 VNNI, a seventh way runs the written-out step with their
-AVX2 path instead (the same values, engine/kernels' use_avx512). Writes
+blocks, `gguf-q8`, through transformers' forward and through engine/decode_step.py, its layers run from C++ as
+the engine runs them and in Python), at the context a 512-token prefill left; where the kernels were built with
+AVX-512 VNNI, one more way runs the written-out step with their AVX2 path instead (the same values, engine/kernels'
+use_avx512). Writes
 bench/results/decode_kernels_<model>_<dtype>_<threads>t.{md,json}.
 """
 from __future__ import annotations
@@ -20,8 +21,11 @@ WAYS = {"full weights": (False, False, False, True), "4-bit copies": (True, Fals
         "6- and 8-bit copies": (False, True, False, True), "all copies (gguf)": (True, True, False, True),
         "all copies, int8 inputs (gguf-q8)": (True, True, True, True),
         "gguf-q8, the written-out step": (True, True, True, True),
+        "gguf-q8, the written-out step, its layers in Python": (True, True, True, True),
         "gguf-q8, the written-out step, AVX2 kernels": (True, True, True, False)}
-WRITTEN_OUT = ("gguf-q8, the written-out step", "gguf-q8, the written-out step, AVX2 kernels")  # engine/decode_step.py
+# engine/decode_step.py's ways -> whether its layers run from C++ (engine/kernels' decode_layers.cpp)
+WRITTEN_OUT = {"gguf-q8, the written-out step": True, "gguf-q8, the written-out step, its layers in Python": False,
+               "gguf-q8, the written-out step, AVX2 kernels": True}
 
 
 def main(argv=None) -> int:
@@ -51,7 +55,7 @@ def main(argv=None) -> int:
                         for m in copies] for round_x in (False, True)}
     ways = WAYS if native.use_avx512(True) else {w: v for w, v in WAYS.items() if v[3]}
     times = {way: [] for way in ways}
-    written_out = None  # built once the copies are gguf-q8's
+    written_out = {}  # built once the copies are gguf-q8's
     try:
         for rep in range(args.reps + 1):  # the first round warms up
             for way, (q4, q8, round_x, wide) in ways.items():
@@ -61,11 +65,11 @@ def main(argv=None) -> int:
                 for copy, buffers in zip(copies, scales[round_x]):
                     copy.round_x = round_x
                     copy._buffers.update(buffers)
-                if way in WRITTEN_OUT:
-                    written_out = written_out or DecodeStep.of(lm.model)
+                if way in WRITTEN_OUT and way not in written_out:
+                    written_out[way] = DecodeStep.of(lm.model, native=WRITTEN_OUT[way])
                 t = time.perf_counter()
                 if way in WRITTEN_OUT:
-                    written_out(ids[-1], args.context, cache)
+                    written_out[way](ids[-1], args.context, cache)
                 else:
                     runner.forward([ids[-1]], cache)
                 if rep:

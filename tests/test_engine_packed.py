@@ -221,24 +221,29 @@ def test_the_avx512_path_gives_the_avx2_paths_values():
 def test_the_written_out_decode_step_gives_transformers_logits(dtype):
     """engine/decode_step.py, taken for every one-token step when all linears carry gguf-q8 copies: 24 greedy
     steps give transformers' logits and cache keys bit for bit (the same operations in the same order; q, k and v
-    in one kernel call). Other decode weights keep transformers' forward."""
+    in one kernel call), with its layers run from C++ (decode_layers.cpp, the default) and in Python alike.
+    Other decode weights keep transformers' forward."""
+    from engine.decode_step import DecodeStep
     lm = load_model("embedded", "cpu", dtype, decode_weights="gguf-q8")
     written_out = Runner(lm.model, lm.tokenizer, lm.device)
-    assert written_out.decode_step is not None
+    assert written_out.decode_step is not None and written_out.decode_step.native is not None
+    python_loop = Runner(lm.model, lm.tokenizer, lm.device)
+    python_loop.decode_step = DecodeStep(lm.model, native=False)
     transformers_forward = Runner(lm.model, lm.tokenizer, lm.device)
     transformers_forward.decode_step = None
     prompt = lm.tokenizer("Mary went to the kitchen. John moved to the garden. Where is Mary? Mary is in").input_ids
     runs = []
-    for runner in (written_out, transformers_forward):
+    for runner in (written_out, python_loop, transformers_forward):
         cache = runner.new_cache(len(prompt) + 25)
         logits, steps = runner.prefill(prompt, cache), []
         for _ in range(24):
             steps.append(logits)
             logits = runner.forward([int(logits.argmax())], cache)
         runs.append((steps, cache.layers[-1].keys[:, :, :cache.length].clone(), cache.length))
-    (a, keys_a, length_a), (b, keys_b, length_b) = runs
-    assert length_a == length_b == len(prompt) + 24
-    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(keys_a, keys_b)
+    (a, keys_a, length_a), *others = runs
+    for b, keys_b, length_b in others:
+        assert length_a == length_b == len(prompt) + 24
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(keys_a, keys_b)
     assert a[0].dtype == torch.float32
     for weights in ("gguf", "full"):
         other = load_model("embedded", "cpu", dtype, decode_weights=weights)

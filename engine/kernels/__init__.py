@@ -52,9 +52,11 @@ class Native:
     """One C++ source built at first use into one torch op, for CPUs with the instructions it is compiled for."""
 
     def __init__(self, source: str, op: str, flags: list[str], needs: set[str],
-                 wider: tuple[list[str], set[str]] = ([], set())):
-        """`wider`: more flags, added where this CPU has the instructions they need (the source tests for them)."""
+                 wider: tuple[list[str], set[str]] = ([], set()), more: tuple[str, ...] = ()):
+        """`wider`: more flags, added where this CPU has the instructions they need (the source tests for them).
+        `more`: other sources built into the same library (they register into the same namespace)."""
         self.source, self.op, self.flags, self.needs = source, op, flags, needs
+        self.more = more
         self.wider = wider
         self._lock = threading.Lock()
         self._op = None
@@ -79,7 +81,7 @@ class Native:
                 build.mkdir(parents=True, exist_ok=True)
                 wider_flags, wider_needs = self.wider
                 flags = [*self.flags, *(wider_flags if wider_needs <= cpu_flags() else [])]
-                cpp_extension.load(name=f"marginalia_{name}", sources=[str(HERE / self.source)],
+                cpp_extension.load(name=f"marginalia_{name}", sources=[str(HERE / f) for f in (self.source, *self.more)],
                                    extra_cflags=["-O3", *flags, *OPENMP], extra_ldflags=OPENMP,
                                    build_directory=str(build), is_python_module=False, verbose=False)
                 namespace, _, op = self.op.partition("::")
@@ -100,7 +102,8 @@ ATTENTION = Native("attention_bf16.cpp", "marginalia::flash_attention_bf16",
 GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups",
               ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], {"avx2", "fma", "f16c"},
               wider=(["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
-                     {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
+                     {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+              more=("decode_layers.cpp",))
 
 
 def load():
@@ -209,6 +212,14 @@ def _gemv(name: str, x: torch.Tensor, *matrix: torch.Tensor) -> torch.Tensor | N
             log.warning("%s refused a call, using the full weight: %s", name, str(error).splitlines()[0])
             _call_failed = True
         return None
+
+
+def decode_layers(head_dim: int, scaling: float):
+    """An empty `DecodeLayers` of decode_layers.cpp (a decode step's layers run from C++, the same ops as
+    engine/decode_step.py's loop), or None where the gemv kernels are unavailable."""
+    if GEMV.load() is None:
+        return None
+    return torch.classes.marginalia_gemv.DecodeLayers(head_dim, scaling)
 
 
 def use_avx512(enable: bool) -> bool:

@@ -13,7 +13,8 @@
 // (llama.cpp's way; see below). AVX2 + FMA + F16C; where the build has AVX-512 VNNI (engine/kernels/__init__.py
 // adds its flags on such a CPU) they take two groups an instruction through vpdpbusd, with the same values bit for
 // bit (see `wide`).
-#include <torch/extension.h>
+#include "gemv_gguf.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -451,6 +452,10 @@ torch::Tensor gemv_q4_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   return y;
 }
 
+}  // namespace
+
+namespace marginalia {
+
 // Several matrices that take the same input (a layer's q, k and v; its gate and up) in one call: x rounded to
 // int8 blocks once, and one split of all their output rows over the threads, so that a small matrix (k's 256 rows)
 // does not cost a round of thread start-up of its own. Matrix i is 4-bit (packed uint8 [N_i, K / 2], scale and low
@@ -495,6 +500,10 @@ std::vector<torch::Tensor> gemv_q8_many(torch::Tensor x, std::vector<torch::Tens
   return ys;
 }
 
+}  // namespace marginalia
+
+namespace {
+
 // Turns the int8-input kernels' AVX-512 path on or off; returns whether it is in use after the call (false where
 // the build has no AVX-512 VNNI).
 bool use_avx512(bool enable) {
@@ -520,5 +529,5 @@ TORCH_LIBRARY_IMPL(marginalia_gemv, CPU, m) {
   m.impl("gemv_q4_groups", &gemv_q4_groups);
   m.impl("gemv_int8_q8", &gemv_int8_q8);
   m.impl("gemv_q4_q8", &gemv_q4_q8);
-  m.impl("gemv_q8_many", &gemv_q8_many);
+  m.impl("gemv_q8_many", &marginalia::gemv_q8_many);
 }
