@@ -219,6 +219,7 @@ struct Q8Rows {
   std::vector<int8_t> q;    // [rows, K]
   std::vector<float> d;     // [rows, K / 32]: value = d * q
   std::vector<float> dsum;  // [rows, K / 32]: d * the block's sum of q (the 4-bit groups' low term)
+  std::vector<int8_t> pairs;  // [rows, K], the AVX-512 path's order for the 4-bit kernels (q4_q8_pairs); else empty
 };
 
 Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
@@ -237,6 +238,20 @@ Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
     }
     out.d[b] = d;
     out.dsum[b] = d * static_cast<float>(sum);
+  }
+  if (wide) {
+    // Blocks 2p and 2p + 1 as [2p's values 0-15, 2p + 1's 0-15, 2p's 16-31, 2p + 1's 16-31]: the order in which
+    // q4_q8_pairs unpacks the two groups' 32 bytes of 4-bit values.
+    out.pairs.resize(rows * K);  // a row's odd last block, if any, is the AVX2 loop's (left out here)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b + 2 <= blocks; b += 2) {
+        const int8_t* src = out.q.data() + r * K + b * 32;
+        int8_t* dst = out.pairs.data() + r * K + b * 32;
+        std::copy(src, src + 16, dst);
+        std::copy(src + 32, src + 48, dst + 16);
+        std::copy(src + 16, src + 32, dst + 32);
+        std::copy(src + 48, src + 64, dst + 48);
+      }
   }
   return out;
 }
@@ -289,26 +304,32 @@ inline void split_into(const __m512 (&wide_acc)[ROWS], __m256 (&acc)[ROWS][2]) {
   }
 }
 
-// The 4-bit groups of one output row, two at a time: their 32 packed bytes become [g low nibbles, g high, g + 1
-// low, g + 1 high] in the four 128-bit lanes. Returns the first group not done (groups rounded down to even).
+// The 4-bit groups of one output row, two at a time: their 32 packed bytes, loaded into both halves of a
+// register, become [g low nibbles, g + 1 low, g high, g + 1 high] in the four 128-bit lanes with one masked shift
+// (no shuffle: the shuffle port is the one these loops crowd), against x's values in that order (Q8Rows::pairs).
+// Lanes 0-3 and 8-11 hold group g as the AVX2 path's acc[r][0] does, 4-7 and 12-15 group g + 1 as its acc[r][1],
+// put back in that order at the end. Returns the first group not done (groups rounded down to even).
 template <int ROWS>
 inline int64_t q4_q8_pairs(const Q8Rows& xq, const uint8_t* pn, float (*f)[MAX_GROUPS], int64_t K,
                            int64_t groups, __m256 (&acc)[ROWS][2]) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   __m512 wide_acc[ROWS];
   for (int r = 0; r < ROWS; ++r) wide_acc[r] = _mm512_setzero_ps();
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
     if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pn + g * 16 + PREFETCH), _MM_HINT_T0);
-    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn + g * 16)));
-    const __m512i t = _mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(1, 1, 0, 0));
-    const __m512i w = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, t, _mm512_srli_epi16(t, 4)), mask);
+    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn + g * 16)));
+    const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000, b, 4), mask);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + g * 32);
+      const __m512i xv = _mm512_loadu_si512(xq.pairs.data() + r * K + g * 32);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-      wide_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_factors<32>(f[r] + g), wide_acc[r]);
+      const __m512 s = _mm512_permutexvar_ps(
+          idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f[r] + g)))));
+      wide_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, wide_acc[r]);
     }
   }
+  for (int r = 0; r < ROWS; ++r) wide_acc[r] = _mm512_shuffle_f32x4(wide_acc[r], wide_acc[r], _MM_SHUFFLE(3, 1, 2, 0));
   split_into<ROWS>(wide_acc, acc);
   return g;
 }
