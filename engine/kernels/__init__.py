@@ -10,6 +10,8 @@ as the GGUF's own values and group scales (engine/packed.py's `gguf` packs), wit
 to int8 blocks as llama.cpp rounds them (`gguf-q8`), or None likewise. Where the CPU has AVX-512 VNNI the build
 adds its flags and the int8-input kernels take two groups an instruction, the same values bit for bit: a decode
 step of the 1.5B 1.25x faster on 2 threads and 1.56x on 1 (bench.decode_kernels, AMD EPYC without AMX).
+decode_layers.cpp is built into the same library: `decode_layers()` gives engine/decode_step.py a decode step's
+layers run from C++ (the same values as its Python loop, without Python's cost per op).
 
 The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
 ~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
