@@ -5,9 +5,10 @@ dtypes, so the logits are theirs bit for bit, with two differences in how they a
 - a layer's q, k and v go to engine/kernels in one call, and its gate and up in another (gemv_q8_many: the input
   rounded to int8 once, one split of all their rows over the threads), 4 kernel calls a layer instead of 7;
 - no module calls, keyword plumbing or mask building: a decode step is one token after the cache, nothing else;
-- the loop over the layers runs in C++ where engine/kernels built (decode_layers.cpp: the same ATen ops in the
-  same order, so the same values bit for bit), without Python's cost per op; `_layers` below is the same loop in
-  Python, kept for the comparison and for a cache that is not a preallocated one.
+- the loop over the layers runs in C++ where engine/kernels built (decode_layers.cpp: the same kernels and
+  attention, the elementwise work rounded where torch rounds it, so the same values bit for bit), without
+  Python's cost per op; `_layers` below is the same loop in Python, the reference, and the path for a cache that
+  is not a preallocated one or a dtype other than bf16 and fp32.
 
 Why: on a 2-core CPU a step of the 1.5B spent ~15 ms of its ~84 outside the matrices (28 layers through
 transformers' Python), the part of the gap to llama.cpp that is not bytes read. Passes of several tokens, masked
@@ -60,7 +61,7 @@ class DecodeStep:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.act = inner.layers[0].mlp.act_fn
         self.native = None  # decode_layers.cpp's DecodeLayers, where engine/kernels built it
-        if native:
+        if native and self.embed.weight.dtype in (torch.bfloat16, torch.float32) and self.layers[0].head_dim <= 512:
             from .kernels import decode_layers
             self.native = decode_layers(self.layers[0].head_dim, float(self.layers[0].scaling))
             for layer in self.layers if self.native is not None else ():
