@@ -132,7 +132,7 @@ class DecodeStep:
         return [l.keys for l in layers], [l.values for l in layers], length
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
-        """The layers in Python: what decode_layers.cpp runs, op for op."""
+        """The layers in Python: what decode_layers.cpp computes, value for value (the reference)."""
         dtype = hidden.dtype
         for index, layer in enumerate(self.layers):
             residual = hidden

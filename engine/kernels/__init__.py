@@ -51,7 +51,8 @@ def _build_dir() -> Path:
 
 
 class Native:
-    """One C++ source built at first use into one torch op, for CPUs with the instructions it is compiled for."""
+    """C++ sources built at first use into one library (its ops named by `op`'s namespace), for CPUs with the
+    instructions it is compiled for."""
 
     def __init__(self, source: str, op: str, flags: list[str], needs: set[str],
                  wider: tuple[list[str], set[str]] = ([], set()), more: tuple[str, ...] = ()):
@@ -217,7 +218,7 @@ def _gemv(name: str, x: torch.Tensor, *matrix: torch.Tensor) -> torch.Tensor | N
 
 
 def decode_layers(head_dim: int, scaling: float):
-    """An empty `DecodeLayers` of decode_layers.cpp (a decode step's layers run from C++, the same ops as
+    """An empty `DecodeLayers` of decode_layers.cpp (a decode step's layers run from C++, the same values as
     engine/decode_step.py's loop), or None where the gemv kernels are unavailable."""
     if GEMV.load() is None:
         return None
