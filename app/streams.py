@@ -321,7 +321,7 @@ class Streams:
                     yield {"answers": render.answers_html([current, *history])}
                 elif isinstance(ev, AnswerToken):
                     current.note = ""
-                    current.text += ev.text
+                    current.text = ev.text if ev.restart else current.text + ev.text
                     if _now() - last_yield >= 0.1:
                         last_yield = _now()
                         yield {"answers": render.answers_html([current, *history])}

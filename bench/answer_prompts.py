@@ -38,6 +38,7 @@ answerable and on unanswerable cases, and answers cut at their token limit. Reco
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                              + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
                              "STYLE (lookup and notes: past the window; passages: inside it too; recall: inside "
                              "it) one of " + ", ".join(STYLES) + "; plain is always run")
+    parser.add_argument("--answer-retries", type=int, default=None, metavar="N",
+                        help="loops an answer may take back (default: the engine's Settings.answer_retries); 0: an "
+                             "answer ends where it begins to loop, as before that setting")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
                         help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "
@@ -180,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         if all(n in done[case.key] for n in names):
             continue
         t = time.perf_counter()
-        reading = engine.open(case.text, evaluator.settings(case, "wim"))
+        settings = evaluator.settings(case, "wim")
+        if args.answer_retries is not None:
+            settings = dataclasses.replace(settings, answer_retries=args.answer_retries)
+        reading = engine.open(case.text, settings)
         kept_read = args.reads / case.key.replace("/", "-") if args.reads else None
         if not (kept_read and reading.restore(kept_read)):
             list(reading.read(case.query))
@@ -199,16 +206,17 @@ def main(argv: list[str] | None = None) -> int:
                 if candidate == "margins-only":
                     notes = {i: reading.margins[i].text for i in kept}
                     text, ending, citations = margins_only(engine, case.query, notes, case.answer_tokens), "", []
-                    passages = []
+                    passages, retried = [], 0
                 else:
                     events = list(reading.answer(case.query, plain=True) if name == "plain"
                                   else reading.answer(case.query, margins=kept, template=CANDIDATES[candidate],
                                                       style=style))
                     answer = next(e for e in events if isinstance(e, Answer))
                     text, ending, citations = answer.text, answer.ending, answer.citations
-                    passages = answer.passages
+                    passages, retried = answer.passages, answer.retried
                 rec = {"case": case.key, "task": case.task, "kind": case.kind, "candidate": name,
-                       "prediction": text, "ending": ending, "citations": citations, "seconds":
+                       "prediction": text, "ending": ending, "retried": retried,
+                       "answer_retries": settings.answer_retries, "citations": citations, "seconds":
                        time.perf_counter() - started, "kept": kept, "passages": passages, "not_stated": says_not_stated(text),
                        "fingerprint": fp, **score(case, text)}
                 done[case.key][name] = rec

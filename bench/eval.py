@@ -245,14 +245,15 @@ class Evaluator:
                 answer = [e for e in reading.answer(case.query, margins=chosen, style=style)
                           if isinstance(e, Answer)][0]
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
-                                         ending=answer.ending, citations=answer.citations, passages=answer.passages,
+                                         ending=answer.ending, retried=answer.retried, citations=answer.citations,
+                                         passages=answer.passages,
                                          **({"notes_from_record": True} if notes_only else {}))
                 answered[key] = out[mode]
             if plain_needed and not reading.multiwindow:
                 t = time.perf_counter()
                 answer = [e for e in reading.answer(case.query, plain=True) if isinstance(e, Answer)][0]
                 out["llm"] = self._record(case, "llm", answer.text, time.perf_counter() - t, ending=answer.ending,
-                                          shared_read=True)
+                                          retried=answer.retried, shared_read=True)
             del reading
         verdicts = read["verdicts"] if read else {}
         kept_by = MARGINS_ONLY_CLASSIFIER if MARGINS_ONLY_CLASSIFIER in verdicts else "llm"  # older records: llm
@@ -279,7 +280,7 @@ class Evaluator:
                     "margins_used": answer.margins_used, "citations": answer.citations,
                     "groups": [e.to_dict() for e in events if e.kind == "group_margin"]}
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending,
-                                         **extra)
+                                         retried=answer.retried, **extra)
         return out
 
     @staticmethod

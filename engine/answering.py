@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .attribution import PIECE_END, attributed, cited, without_citations
 from .events import Answer, AnswerToken, Event, Notice
-from .generate import DecodeResult, Meter, Stopped
+from .generate import DecodeResult, Meter, Rewound, Stopped
 from .prompts import fit_notes, note_lines, prompt
 
 if TYPE_CHECKING:
@@ -82,14 +82,15 @@ def says_not_stated(text: str) -> bool:
     return bool(NOT_STATED.search(text))
 
 
-def complete_sentences(text: str, ending: str) -> str:
+def complete_sentences(text: str, ending: str, retried: int = 0) -> str:
     """An answer cut at its token cap or at a repetition ends at its last complete sentence (a short answer with
-    no sentence end, say a single name, stays as it is)."""
+    no sentence end, say a single name, stays as it is). One that looped (ended at it, or `retried`: taken back
+    and gone on) names each item once."""
     text = text.strip()
+    if ending == "repeat" or retried:
+        text = without_repeated_items(text)
     if ending not in ("limit", "repeat"):
         return text
-    if ending == "repeat":
-        text = without_repeated_items(text)
     ends = [m.end() for m in _SENTENCE_END.finditer(text)]
     return text[:ends[-1]].strip() if ends else text
 
@@ -188,8 +189,11 @@ class Answering:
                 logits = r.runner.prefill(ids, r.cache, stop)
                 room = r.limit - r.cache.length
                 for _, piece in r.runner.decode(r.cache, logits, min(r.settings.answer_tokens, room), stop,
-                                                r.settings.temperature, r.generator, result=result, paragraph=True):
-                    if piece:
+                                                r.settings.temperature, r.generator, result=result, paragraph=True,
+                                                retries=r.settings.answer_retries):
+                    if isinstance(piece, Rewound):
+                        yield AnswerToken(piece.text, restart=True)
+                    elif piece:
                         yield AnswerToken(piece)
         except Stopped:
             yield r._stats("answer", stopped=True)
@@ -199,7 +203,7 @@ class Answering:
             r.cache.truncate(r.doc_end if recall else end)
         self.window.ids = self.window.ids + list(ids)
         yield from r.runner.drain()
-        text = complete_sentences(result.text, result.reason)
+        text = complete_sentences(result.text, result.reason, result.retried)
         if wim:  # cited by the notes that hold its words (engine/attribution.py), not by asking the model
             sure = not says_not_stated(text)
             held = in_cache or (set() if r.multiwindow else set(r.read_segments))  # the text the answer saw
@@ -207,7 +211,7 @@ class Answering:
                               lambda i: note_label(r.segments[i]), fallback=sure,
                               passages={i: r.doc.segment_text(r.segments[i]) for i in sorted(held)} if sure else None)
         yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
-                     list(self.window.passages))
+                     list(self.window.passages), result.retried)
         yield r._stats("answer")
 
     def _chosen(self, margins) -> dict[int, str]:

@@ -125,7 +125,7 @@ class HumanOutput:
         self.task = self.progress.add_task("read", total=total, tps="-")
         self.progress.start()
         self.tokens, self.started = 0, time.perf_counter()
-        self.answer_started = False
+        self.answer_started, self.streamed = False, ""
 
     def __call__(self, ev) -> None:
         if ev.kind == "segment":
@@ -150,9 +150,18 @@ class HumanOutput:
             if not self.answer_started:
                 self.progress.stop()
                 self.console.print("[bold]answer:[/] ", end="")
-                self.answer_started = True
-            self.console.print(ev.text, end="", markup=False)
+                self.answer_started, self.streamed = True, ""
+            if ev.restart:  # a terminal cannot take printed text back: the kept text again, on a line of its own
+                self.console.print("\n[dim](it began to repeat itself; taken back to)[/] ", end="")
+                self.console.print(ev.text, end="", markup=False)
+                self.streamed = ev.text
+            else:
+                self.console.print(ev.text, end="", markup=False)
+                self.streamed += ev.text
         elif ev.kind == "answer":
+            if self.answer_started and ev.text.strip() != self.streamed.strip():  # cut back, or cited afterwards
+                self.console.print("\n[bold]answer:[/] ", end="")
+                self.console.print(ev.text, end="", markup=False)
             self.console.print(f"\n[dim](question: {ev.query}; margins used: "
                                f"{', '.join(str(i + 1) for i in ev.margins_used) or 'none'})")
             self.answer_started = False

@@ -83,8 +83,11 @@ class GroupMargin(Event):
 
 @dataclass(frozen=True)
 class AnswerToken(Event):
+    """The answer's next piece of text; with `restart`, the whole text kept so far, replacing what was shown (a
+    loop was taken back: engine/generate.Runner.decode)."""
     kind: ClassVar[str] = "answer_token"
     text: str
+    restart: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Answer(Event):
     ending: str = ""          # end | paragraph | repeat | limit (cut at the answer's token cap)
     citations: list[int] = field(default_factory=list)  # segments the answer cites ("[segment 12]"), 0-based
     passages: list[int] = field(default_factory=list)   # past the window: segments re-read for the answer
+    retried: int = 0          # loops taken back on the way (Settings.answer_retries)
 
 
 @dataclass(frozen=True)

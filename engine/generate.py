@@ -38,6 +38,15 @@ class DecodeResult:
     ids: list[int] = field(default_factory=list)
     text: str = ""
     reason: str = ""
+    retried: int = 0  # loops taken back (Runner.decode's `retries`)
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """Runner.decode's piece when a loop was taken back: the text kept (its first `tokens` tokens), which
+    replaces the text shown so far."""
+    text: str
+    tokens: int
 
 
 @dataclass
@@ -161,28 +170,56 @@ class Runner:
 
     def decode(self, cache, logits: torch.Tensor, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
-               step=None, result: DecodeResult | None = None, paragraph: bool = False) -> Iterator[tuple[int, str]]:
+               step=None, result: DecodeResult | None = None, paragraph: bool = False,
+               retries: int = 0) -> Iterator[tuple[int | None, str | Rewound]]:
         """Generate up to `max_tokens` tokens after `logits`; yield (token_id, new_text) as each is chosen.
 
         The chosen tokens are written into `cache` (the last one is not: it was never fed back), so the caller
         cuts the cache back to where it started once done. `step` overrides how a token is fed (masked scratch;
-        it meters its own time; tokens are counted here). Decoding stops early when the last REPEAT_NGRAM tokens already occurred (a
-        loop: the repeated tail is left out of `result`) and, with `paragraph`, at the end of the first
-        paragraph (a blank line: a short answer is over; a list, one item a line, is not). `result` receives the kept tokens, their text and the reason it ended."""
+        it meters its own time; tokens are counted here). Decoding stops early when the last REPEAT_NGRAM tokens
+        already occurred (a loop: the repeated tail is left out of `result`) and, with `paragraph`, at the end of
+        the first paragraph (a blank line: a short answer is over; a list, one item a line, is not).
+
+        `retries` (not with `step`): a loop is taken back up to this many times instead: the cache is cut back to
+        where the loop began, the token that began it is barred there, and decoding goes on with the next-best
+        token (a list that came round to its first item again gets a new item or its end); `(None,
+        Rewound(text))` tells the caller the text kept. `result` receives the kept tokens, their text, the reason
+        it ended and the loops taken back."""
         result = result if result is not None else DecodeResult()
         ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
-        for i in range(max_tokens):
+        start, first_logits = cache.length, logits
+        barred: dict[int, set[int]] = {}  # position in the text -> tokens barred there (each began a loop)
+        while len(ending.ids) < max_tokens:  # ends: each loop taken back is one of `retries`
+            position = len(ending.ids)
+            if position in barred:
+                logits = logits.clone()
+                logits[list(barred[position])] = float("-inf")
             token = pick_token(logits, temperature, generator)
             if token in self.stop_ids:
                 result.reason = "end"
                 break
             piece = ending.add(token)
             if piece is None:
-                break
-            self.meter.decode_tokens += 1
-            yield token, piece
-            if i + 1 == max_tokens:
-                break
+                if result.reason != "repeat" or result.retried >= retries or step is not None:
+                    break
+                # Take the loop back: the cache keeps the text before it, the token it began with is barred there.
+                result.retried += 1
+                kept = len(ending.ids)
+                barred = {p: t for p, t in barred.items() if p <= kept}
+                barred.setdefault(kept, set()).add(ending.cut[0])
+                text = ending.restart()
+                yield None, Rewound(text, kept)
+                if kept == 0:
+                    cache.truncate(start)
+                    logits = first_logits
+                    continue
+                cache.truncate(start + kept - 1)  # the last kept token is fed again for the logits after it
+                token = ending.ids[-1]
+            else:
+                self.meter.decode_tokens += 1
+                yield token, piece
+                if len(ending.ids) == max_tokens:
+                    break
             if step is not None:
                 logits = step(token)
                 continue
@@ -215,7 +252,19 @@ class Ending:
         self.bracket: list[int] = []  # positions of the tokens of a bracket still open, not yet judged
         self.bracket_from = 0  # where that bracket starts in `decoded`
         self.last_citation, self.words_since_citation = "", 0
+        self.cut: list[int] = []  # the tokens a loop's cut dropped, the first of which began the loop
         result.reason = "limit"
+
+    def restart(self) -> str:
+        """After a loop's cut: the check's state as if only the kept `ids` had been added (the loop's n-grams
+        forgotten); returns their text."""
+        ids, result, reason = self.ids, self.result, self.result.reason
+        self.__init__(self.tokenizer, result, self.paragraph, self.repeat)
+        for token in ids:
+            self.add(token)
+        result.reason = reason
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self.text
 
     def add(self, token: int) -> str | None:
         ids = self.ids
@@ -251,7 +300,7 @@ class Ending:
         if citation is None or still_open:
             return any(self._check(p) for p in held)
         if citation.group(0) == self.last_citation and self.words_since_citation == 0:
-            del self.ids[held[0]:]
+            self._cut(held[0])
             return True
         self.last_citation, self.words_since_citation = citation.group(0), 0
         if full.rfind("[") > citation.start():  # "][": this token opens the next bracket too
@@ -277,8 +326,12 @@ class Ending:
         start = len(tokens) - REPEAT_NGRAM
         while start - 1 - period >= 0 and tokens[start - 1] == tokens[start - 1 - period]:
             start -= 1
-        del ids[checked[start]:]
+        self._cut(checked[start])
         return True
+
+    def _cut(self, at: int) -> None:
+        self.cut = self.ids[at:]
+        del self.ids[at:]
 
     def close(self) -> None:
         self.result.ids = self.ids

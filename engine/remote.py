@@ -248,10 +248,12 @@ class RemoteRunner:
 
     def decode(self, cache: TokenListCache, logits, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
-               step=None, result: DecodeResult | None = None, paragraph: bool = False) -> Iterator[tuple[int, str]]:
+               step=None, result: DecodeResult | None = None, paragraph: bool = False,
+               retries: int = 0) -> Iterator[tuple[int, str]]:
         """One streamed completions request for the whole note; yields (token_id, new_text) as they arrive.
         It ends where the local decode would (generate.Ending: a loop, the end of a paragraph): leaving the
-        stream early closes it, and the server aborts the request."""
+        stream early closes it, and the server aborts the request. A loop is not taken back (`retries` is the
+        local runner's): the server's stream has no way back to where the loop began."""
         if step is not None:
             raise RuntimeError("masked scratch decoding is local-only: a server backend hides ids instead")
         if stop is not None and stop.is_set():

@@ -18,12 +18,18 @@ if TYPE_CHECKING:
     from .wim import Reading
 
 SAVED = "reading.json"
+# Settings that shape only the answers, not what a read leaves in the cache: a saved read is taken up whatever
+# they say (and the saves made before they existed keep their fingerprint).
+ANSWER_ONLY = ("answer_retries",)
 
 
 def fingerprint(reading: "Reading") -> str:
     """What a saved cache depends on: the model, the document's tokens and the settings."""
     lm = reading.engine.lm
-    blob = json.dumps([lm.name, str(lm.dtype), reading.settings.to_dict(),
+    settings = reading.settings.to_dict()
+    for name in ANSWER_ONLY:
+        settings.pop(name)
+    blob = json.dumps([lm.name, str(lm.dtype), settings,
                        hashlib.sha256(str(reading.doc.token_ids).encode()).hexdigest()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

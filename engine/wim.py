@@ -53,6 +53,9 @@ class Settings:
     margins: str = "extractive"        # extractive (copied sentences, constrained) | scored | abstractive
     margin_tokens: int = 96            # longest margin note
     answer_tokens: int = 128           # longest answer
+    # An answer that begins to loop (a list come round to its first item again) is taken back to where the loop
+    # began and goes on with the next-best token there, at most this many times; then it ends before the loop.
+    answer_retries: int = 3
     # Which notes are kept: combined (MiniLM, or a note sure of itself) | margin (relevance from the note itself) |
     # llm | embedding | none. combined by measurement: on the tuning seed it answered better than margin at 16k
     # (0.646 against 0.468, 12 cases) and as well in three 8k windows; docs/quality.md.
@@ -97,6 +100,8 @@ class Settings:
             raise ValueError("window_cache_budget_bytes must be ≥ 0")
         if self.segment_tokens < 32 or self.margin_tokens < 1 or self.answer_tokens < 1:
             raise ValueError("segment_tokens must be ≥ 32, margin_tokens and answer_tokens ≥ 1")
+        if self.answer_retries < 0:
+            raise ValueError("answer_retries must be ≥ 0")
         return self
 
     def to_dict(self) -> dict:

@@ -35,6 +35,11 @@ def test_a_list_ended_by_its_loop_drops_the_items_it_named_again():
     assert complete_sentences("Trowel [segment 2], lute [segment 4], trowel [segment 2], pocket watch [segment 14]",
                               "repeat") == "Trowel [segment 2], lute [segment 4], pocket watch [segment 14]"
     assert complete_sentences(looped, "end") == looped  # the model ended it: as it is
+    # Taken back at its loop and gone on (recorded on the tuning seed, 24k): an item named again on the way.
+    retried = ("padlock [segment 10] [segment 17], compass [segment 8], pocket watch [segment 18], compass "
+               "[segment 8], pad lock.")
+    assert complete_sentences(retried, "end", retried=2) == ("padlock [segment 10] [segment 17], compass [segment 8], "
+                                                             "pocket watch [segment 18], pad lock.")
     distinct = "He went to the hall, then to the kitchen, then to the hall again"
     assert complete_sentences(distinct, "repeat") == distinct  # no item named twice
     dates = "Comments close on October 2, 2020; the notice was issued on August 3, 2020"

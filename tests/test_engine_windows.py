@@ -285,6 +285,10 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
     # Reopened elsewhere: the windows left out are read again (with a notice each), the others are not.
     reopened = engine.open(text, WINDOWED)
     assert reopened.restore(tmp_path / "capped")
+    # A setting that shapes only answers does not make the saved read another one; one that shapes the read does.
+    assert engine.open(text, replace(WINDOWED, answer_retries=0)).restore(tmp_path / "capped")
+    assert not engine.open(text, replace(WINDOWED, margin_tokens=WINDOWED.margin_tokens + 1)).restore(
+        tmp_path / "capped")
     events = list(reopened.remargin(NEW))
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     re_read = [e.text for e in events if isinstance(e, Notice) and "read again" in e.text]

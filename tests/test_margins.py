@@ -157,6 +157,49 @@ def test_free_form_decoding_stops_on_a_loop(engine):
         assert len(result.ids) >= REPEAT_NGRAM
 
 
+def test_a_loop_taken_back_goes_on_from_where_it_began(engine):
+    """With `retries`, a loop is not the end: decoding goes back to where it began, bars the token it began with
+    there and goes on. Checked against a fresh pass over the prompt and the kept tokens: every token is that
+    pass's greedy choice except at the places a loop was taken back, where it is the next-best one. A cache left
+    holding the loop's tokens would have changed the tokens after it. The text shown, with each restart applied,
+    begins with the text kept."""
+    import torch
+    from engine.cache import make_cache
+    from engine.generate import Rewound
+    runner = Runner(engine.lm.model, engine.lm.tokenizer, engine.lm.device)
+    # A list come round to its first item (no chat turn: the small model's answers rarely loop on demand).
+    ids = engine.lm.tokenizer.encode("The shopping list: apples, pears, plums, apples, pears, plums, apples,")
+    looped = DecodeResult()
+    cache = make_cache(engine.lm.model, 512)
+    list(runner.decode(cache, runner.prefill(ids, cache), 60, result=looped))
+    assert looped.reason == "repeat" and looped.retried == 0  # the prompt loops at once without retries
+
+    cache = make_cache(engine.lm.model, 512)
+    result, shown, taken_back = DecodeResult(), "", []
+    for token, piece in runner.decode(cache, runner.prefill(ids, cache), 60, result=result, retries=3):
+        if isinstance(piece, Rewound):
+            shown = piece.text
+            taken_back.append(piece.tokens)
+        else:
+            shown += piece
+    assert result.retried == len(taken_back) >= 1
+    assert shown.startswith(result.text)  # the last loop, once retries are spent, is dropped from the result only
+    grams = [tuple(result.ids[i:i + REPEAT_NGRAM]) for i in range(len(result.ids) - REPEAT_NGRAM + 1)]
+    assert len(grams) == len(set(grams))  # no 4-gram twice in what is kept
+    assert taken_back[0] == len(looped.ids)  # the first loop is where it ends without retries
+    assert result.ids[:min(taken_back)] == looped.ids[:min(taken_back)]
+
+    fresh = make_cache(engine.lm.model, 512)
+    runner.prefill(ids[:-1], fresh)
+    with torch.inference_mode():
+        logits = runner.forward([ids[-1], *result.ids[:-1]], fresh, all_logits=True).float()
+    ranked = logits.argsort(dim=-1, descending=True)
+    for j, token in enumerate(result.ids):
+        if token != ranked[j, 0]:  # only where a loop was taken back: then one of the next-best
+            assert j in taken_back, f"token {j} is not the greedy choice after the kept tokens"
+            assert token in ranked[j, 1:1 + taken_back.count(j)].tolist()
+
+
 def test_stop_during_an_extractive_margin(engine):
     text = shared("books", "pg1342.txt").read_text(encoding="utf-8")[50000:56000]
     reading = engine.open(text, Settings(segment_tokens=300, margin_tokens=48))
