@@ -21,11 +21,12 @@ BOOKS = SHARED / "books"
 
 
 def load_engine(device: str | None = None, dtype: str | None = None, model: str = "embedded",
-                decode_weights: str | None = None):
+                decode_weights: str | None = None, prefill_weights: str | None = None):
     """The embedded model unless `model` names another (anything `--model` takes). dtype None: the engine's choice
-    (fp32 on a CPU without bf16 matrix units); decode_weights None: the engine's (the GGUF's 4-bit blocks on a CPU)."""
+    (fp32 on a CPU without bf16 matrix units); decode_weights and prefill_weights None: the engine's."""
     from engine import Engine
-    return Engine.load(model, device=device, dtype=dtype, decode_weights=decode_weights)
+    return Engine.load(model, device=device, dtype=dtype, decode_weights=decode_weights,
+                       prefill_weights=prefill_weights)
 
 
 # ---- documents ---------------------------------------------------------------------------------------------

@@ -340,6 +340,7 @@ def fingerprint(engine, args) -> str:
              *([f"decode={chosen}"] if (chosen := getattr(args, "decode_weights", None)
                                           or os.environ.get("MARGINALIA_DECODE_WEIGHTS"))
                not in (None, "auto") else []),
+             *(["prefill=int8"] if getattr(engine.lm, "prefill_int8", None) else []),  # other values in the cache
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
@@ -528,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--decode-weights", default=None, help="engine/model.py's decode weights (default: auto)")
+    parser.add_argument("--prefill-weights", default=None,
+                        help="engine/prefill_int8.py's prefill weights (default: full)")
     parser.add_argument("--model", default="embedded",
                         help="`embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id (records are kept apart "
                              "by model: the fingerprint names it)")
@@ -559,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         save_cases(args.dump_cases, cases)
         log(f"wrote {len(cases)} cases to {args.dump_cases}")
         return 0
-    engine = load_engine(args.device, args.dtype, args.model, args.decode_weights)
+    engine = load_engine(args.device, args.dtype, args.model, args.decode_weights, args.prefill_weights)
     tok = engine.lm.tokenizer
     fp = fingerprint(engine, args)
     cases = read_cases(args.cases) if args.cases else generate_cases(tok, tasks, lengths, args)
@@ -580,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel(),
-            "decode_weights": engine.lm.info.get("decode_weights") if hasattr(engine.lm, "info") else None}
+            "decode_weights": engine.lm.info.get("decode_weights") if hasattr(engine.lm, "info") else None,
+            "prefill_weights": engine.lm.info.get("prefill_weights") if hasattr(engine.lm, "info") else None}
 
     if args.report:
         mine = []

@@ -53,19 +53,20 @@ class LlamaWorker:
         self.log.unlink(missing_ok=True)  # kept only to explain a worker that died
 
 
-def measure(spec: str, decode_weights: str, args, log) -> dict:
+def measure(spec: str, decode_weights: str, prefill_weights: str, args, log) -> dict:
     import torch
 
     from engine.cache import make_cache
 
     torch.set_num_threads(args.threads)
-    engine = load_engine(None, args.dtype, model=spec, decode_weights=decode_weights)
+    engine = load_engine(None, args.dtype, model=spec, decode_weights=decode_weights, prefill_weights=prefill_weights)
     lm = engine.lm
     runner = lm.runner()
     gguf = gguf_of(spec)
     blocks = {"gguf4": "4-bit", "gguf": "4-, 6- and 8-bit", "gguf-q8": "4-, 6- and 8-bit (int8 inputs)"}.get(
         lm.packs.get("choice")) if lm.packs else None
-    ours_in = str(lm.dtype).removeprefix("torch.") + (f", decode on the GGUF's {blocks} blocks" if blocks else "")
+    ours_in = (str(lm.dtype).removeprefix("torch.") + (", int8 prefill" if lm.prefill_int8 else "")
+               + (f", decode on the GGUF's {blocks} blocks" if blocks else ""))
     log(f"{lm.name}: ours {ours_in}, llama.cpp on {gguf.name}")
     worker = LlamaWorker(gguf, args.prompt + args.steps + 16, args.threads,
                          Path(args.out) / f"llamacpp-{lm.name.split()[0]}.log.tmp")
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="ours: default the engine's choice (bf16 on an AMX CPU)")
     parser.add_argument("--decode-weights", default="gguf4,full",
                         help="ours: one row per choice (engine/model.py's pick_decode_weights)")
+    parser.add_argument("--prefill-weights", default="full",
+                        help="ours: one row per choice (engine/prefill_int8.py), e.g. full,int8")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
@@ -153,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = [measure(spec, weights, args, log) for spec in args.models.split(",")
-            for weights in args.decode_weights.split(",")]
+    rows = [measure(spec, weights, prefill, args, log) for spec in args.models.split(",")
+            for weights in args.decode_weights.split(",") for prefill in args.prefill_weights.split(",")]
     meta = {"machine": machine(), "threads": args.threads, "prompt": args.prompt, "steps": args.steps,
             "reps": args.reps, "wall_seconds": time.perf_counter() - started}
     data = {"meta": meta, "rows": rows}

@@ -24,6 +24,7 @@ from .documents import IngestError, load_document
 from .group_notes import OVERFLOWS
 from .margins import MARGIN_STYLES
 from .model import DECODE_WEIGHTS, DECODE_WEIGHTS_HELP, default_model
+from .prefill_int8 import PREFILL_WEIGHTS, PREFILL_WEIGHTS_HELP
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
 
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     read.add_argument("--device", default="auto")
     read.add_argument("--decode-weights", choices=["auto", *DECODE_WEIGHTS], default=None, help=DECODE_WEIGHTS_HELP)
+    read.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default=None, help=PREFILL_WEIGHTS_HELP)
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")
     read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
@@ -203,7 +205,8 @@ def cmd_read(args) -> int:
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()
-    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url, args.decode_weights)
+    engine = Engine.load(args.model, args.device, args.dtype, args.backend, args.base_url, args.decode_weights,
+                         args.prefill_weights)
     logging.getLogger("marginalia").info("model %s", engine.lm.info)
     reading = engine.open(text, settings, doc.page_starts)
     show = (lambda ev: print(json.dumps(ev.to_dict(), ensure_ascii=False), flush=True)) if args.jsonl \

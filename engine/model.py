@@ -57,6 +57,7 @@ class LoadedModel:
     load_seconds: float
     spec: str = EMBEDDED  # what load_model was asked for: `embedded`, `qwen2.5-1.5b`, a path or a hub id
     packs: dict | None = None  # engine/packed.py's 4-bit decode weights: packed/skipped matrices and bytes
+    prefill_int8: dict | None = None  # engine/prefill_int8.py's copies where asked for: matrices and bytes
     serial = True  # one forward pass at a time on this model (engine/remote.py's server batches instead)
 
     def runner(self, meter=None):
@@ -81,6 +82,8 @@ class LoadedModel:
                                f"{', int8 inputs' if self.packs.get('choice') == 'gguf-q8' else ''} "
                                f"({self.packs['bytes'] / 2**20:,.0f} MiB)" if self.packs and self.packs["packed"]
                                else "full"),
+            "prefill_weights": (f"int8 for {self.prefill_int8['matrices']} matrices "
+                                f"({self.prefill_int8['bytes'] / 2**20:,.0f} MiB)" if self.prefill_int8 else "full"),
         }
 
 
@@ -532,15 +535,17 @@ def release_freed_memory() -> None:
 
 
 def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | None = None,
-               decode_weights: str | None = None) -> LoadedModel:
+               decode_weights: str | None = None, prefill_weights: str | None = None) -> LoadedModel:
     """spec: `embedded`, `qwen2.5-1.5b`, a .gguf file, a local directory, or a hub id (needs network the first time).
-    decode_weights: see pick_decode_weights."""
+    decode_weights: see pick_decode_weights; prefill_weights: engine/prefill_int8.py's pick_prefill_weights."""
+    from .prefill_int8 import add_prefill_int8, pick_prefill_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     attention = pick_attention(dev)
+    prefill = pick_prefill_weights(prefill_weights, dev)
     path, name = resolve(spec)
     converted = Path(path)  # the packs are kept beside the fp32 conversion, whatever dtype loads
     # MARGINALIA_CAST_CACHE=off: cast while loading instead (twice the memory, 3.6 GB less disk for the 1.5B).
@@ -556,11 +561,12 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     if decode != "full" and source is not None:
         from .packed import add_decode_packs
         packs = add_decode_packs(model, source, converted, decode) | {"choice": decode}
+    int8 = add_prefill_int8(model) if prefill == "int8" else None  # after the packs: it extends their modules
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(model, tokenizer, name, dev, torch_dtype, attention, int(context), time.perf_counter() - start,
-                       spec, packs)
+                       spec, packs, int8)
 
 
 @dataclass

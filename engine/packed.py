@@ -47,7 +47,8 @@ _MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
 class _DecodeCopy(torch.nn.Linear):
     """A linear layer with its full weight (passes of many rows) and a second copy of the same values, in
     buffers that are not saved with the model, for passes of at most DECODE_ROWS rows (`few_rows`; None there
-    means the full weight after all)."""
+    means the full weight after all); passes of more rows take engine/prefill_int8.py's int8 copy where one was
+    added (`prefill_q`)."""
 
     def __init__(self, linear: torch.nn.Linear, **copy: torch.Tensor):
         torch.nn.Module.__init__(self)
@@ -61,6 +62,10 @@ class _DecodeCopy(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if rows > DECODE_ROWS and getattr(self, "prefill_q", None) is not None:  # engine/prefill_int8.py's copy
+            from .prefill_int8 import int8_matmul
+            y = int8_matmul(x.reshape(rows, x.shape[-1]), self.prefill_q, self.prefill_scale, self.bias)
+            return F.linear(x, self.weight, self.bias) if y is None else y.reshape(*x.shape[:-1], self.out_features)
         y = self.few_rows(x.reshape(rows, x.shape[-1])) if rows <= DECODE_ROWS else None
         if y is None:
             return F.linear(x, self.weight, self.bias)

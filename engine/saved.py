@@ -29,8 +29,10 @@ def fingerprint(reading: "Reading") -> str:
     settings = reading.settings.to_dict()
     for name in ANSWER_ONLY:
         settings.pop(name)
+    # a cache prefilled through int8 copies holds other values: its own fingerprint (the others' stay as they were)
+    numerics = ["prefill=int8"] if getattr(lm, "prefill_int8", None) else []
     blob = json.dumps([lm.name, str(lm.dtype), settings,
-                       hashlib.sha256(str(reading.doc.token_ids).encode()).hexdigest()], sort_keys=True)
+                       hashlib.sha256(str(reading.doc.token_ids).encode()).hexdigest(), *numerics], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -124,10 +124,11 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str = "embedded", device: str | None = None, dtype: str | None = None,
-             backend: str = "local", base_url: str | None = None, decode_weights: str | None = None) -> "Engine":
+             backend: str = "local", base_url: str | None = None, decode_weights: str | None = None,
+             prefill_weights: str | None = None) -> "Engine":
         """backend `local`: the model in this process. `openai`: a completions server at `base_url` serving
         `spec` (its tokenizer is loaded here; see engine/remote.py). decode_weights: engine/model.py's
-        pick_decode_weights."""
+        pick_decode_weights; prefill_weights: engine/prefill_int8.py's pick_prefill_weights."""
         if backend == "openai":
             if not base_url:
                 raise ValueError("the openai backend needs the server's URL (--base-url)")
@@ -135,7 +136,7 @@ class Engine:
             return cls(load_remote(spec, base_url))
         if backend != "local":
             raise ValueError(f"backend must be local or openai, not {backend!r}")
-        return cls(load_model(spec, device, dtype, decode_weights))
+        return cls(load_model(spec, device, dtype, decode_weights, prefill_weights))
 
     def open(self, text: str, settings: Settings = Settings(), page_starts: list[int] | None = None) -> "Reading":
         return Reading(self, text, settings.validate(), page_starts)
