@@ -4,7 +4,8 @@ The yardstick is the model's own matmuls: every linear layer of one transformer 
 down) at PREFILL_CHUNK rows, in the engine's dtype and at the thread count given (default: torch's, which is what
 the app uses), measured in the same process right before each prefill. A prefill's rate counts every matmul FLOP
 of its layers and of causal attention (bench.speed's Shape), so a pass that ran its linears at the yardstick's rate
-and its attention as fast would score 100%. The torch profiler then splits one 512-token pass after a cache of
+and its attention as fast would score 100%. Each prefill runs through the written-out pass (engine/prefill_step.py,
+the engine's) and through transformers' forward, alternating, so the gain is measured side by side. The torch profiler then splits one 512-token pass after a cache of
 each length into the linears, the attention kernel and everything else, and the attention kernel is timed alone
 on the model's shape, to say which part holds a prefill below the yardstick.
 
@@ -91,21 +92,26 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = (ids * (max(lengths) // len(ids) + 1))[:max(lengths)]
     runner = Runner(model, lm.tokenizer, lm.device)
+    forward = Runner(model, lm.tokenizer, lm.device)  # transformers' forward, for the side-by-side column
+    forward.prefill_step = None
+    ways = [runner, forward] if runner.prefill_step is not None else [runner]
     with torch.inference_mode():
-        warm = make_cache(model, rows + 8)
-        runner.prefill(ids[:rows], warm)  # the first passes pay one-time costs
-        del warm
+        for way in ways:
+            warm = make_cache(model, 2 * rows + 8)
+            way.prefill(ids[:2 * rows], warm)  # the first passes pay one-time costs
+            del warm
         out = []
         for n in lengths:
             log(f"prefill {n:,} tokens x{reps}")
-            yard, seconds = [], []
-            for _ in range(reps):
+            yard, seconds, forward_seconds = [], [], []
+            for rep in range(reps):
                 yard.append(linear_gflops(model, dtype, rows)["gflops"])
-                cache = make_cache(model, n + rows)
-                t = time.perf_counter()
-                runner.prefill(ids[:n], cache)
-                seconds.append(time.perf_counter() - t)
-                del cache
+                for way in ways if rep % 2 == 0 else ways[::-1]:  # the order alternates
+                    cache = make_cache(model, n + rows)
+                    t = time.perf_counter()
+                    way.prefill(ids[:n], cache)
+                    (seconds if way is runner else forward_seconds).append(time.perf_counter() - t)
+                    del cache
             flops = shape.prefill_flops(n)
             context = max(n, rows)
             cache = make_cache(model, context + rows)
@@ -116,7 +122,10 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
             gflops = flops / median(seconds) / 1e9
             out.append({"tokens": n, "reps": reps, "seconds": median(seconds), "tokens_per_s": n / median(seconds),
                         "gflop": flops / 1e9, "gflops": gflops, "linear_gflops": median(yard),
-                        "ratio": gflops / median(yard), "attention_flop_share": shape.attention_flops(0, n) / flops,
+                        "ratio": gflops / median(yard),
+                        "forward_seconds": median(forward_seconds) if forward_seconds else None,
+                        "forward_ratio": flops / median(forward_seconds) / 1e9 / median(yard) if forward_seconds else None,
+                        "attention_flop_share": shape.attention_flops(0, n) / flops,
                         "attention_kernel_gflops": attention_gflops(shape, dtype, context, rows),
                         "last_pass_time_shares": shares})
     return out
@@ -125,17 +134,21 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
 def markdown(meta: dict, rows: list[dict]) -> str:
     table = md_table(
         ["tokens", "s", "tok/s", "GFLOP/s", "model's matmuls GFLOP/s", "prefill / matmuls", f"target >= {TARGET:.0%}",
+         "transformers' forward: s", "forward / matmuls", "forward / written out, time",
          "attention: share of FLOPs", "attention kernel GFLOP/s", "last 512-token pass: linears / attention / other"],
         [[f"{r['tokens']:,}", f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['gflops']:.0f}",
           f"{r['linear_gflops']:.0f}", f"{r['ratio']:.0%}",
           ("yes" if r["ratio"] >= TARGET else "NO") if r["tokens"] <= 4096 else "(reported)",
+          *((f"{r['forward_seconds']:.2f}", f"{r['forward_ratio']:.0%}", f"{r['forward_seconds'] / r['seconds']:.2f}x")
+            if r.get("forward_seconds") else ("-", "-", "-")),
           f"{r['attention_flop_share']:.0%}", f"{r['attention_kernel_gflops']:.0f}",
           " / ".join(f"{r['last_pass_time_shares'][k]:.0%}" for k in ("linears", "attention", "other"))]
          for r in rows])
     return "\n".join([
         "# Prefill against the model's own matmuls\n",
         f"{meta['model']}, {meta['dtype']}, {meta['threads']} thread(s), {meta['cpu']}; passes of {meta['chunk']} "
-        f"tokens; medians of {meta['reps']}; load average {meta['load']:.1f} before. The yardstick: one layer's seven "
+        f"tokens through the written-out pass (engine/prefill_step.py) and, in the same run, the two alternating, "
+        f"through transformers' forward; medians of {meta['reps']}; load average {meta['load']:.1f} before. The yardstick: one layer's seven "
         f"linears at {meta['chunk']} rows, measured before each prefill; its plain "
         f"{meta['chunk']}x{meta['hidden']} @ {meta['hidden']}x{meta['intermediate']} product ran at "
         f"{meta['plain_gflops']:.0f} GFLOP/s.\n", table, ""])

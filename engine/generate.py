@@ -17,6 +17,7 @@ import torch
 
 from .cache import cache_keyword, make_cache
 from .decode_step import DecodeStep
+from .prefill_step import PrefillStep
 
 class Stopped(Exception):
     """The caller's stop flag was set; the cache is left at a consistent length."""
@@ -104,6 +105,7 @@ class Runner:
         self.stop_ids = self._stop_ids()
         self.cache_keyword = cache_keyword(model)  # `cache` or, before transformers 5.24, `past_key_values`
         self.decode_step = DecodeStep.of(model)  # None unless every linear has a gguf-q8 copy
+        self.prefill_step = PrefillStep.of(model)  # None for a layout it does not write out
 
     def new_cache(self, capacity: int):
         return make_cache(self.model, capacity)
@@ -132,19 +134,26 @@ class Runner:
     def forward(self, ids: list[int], cache, stop: threading.Event | None = None,
                 attention_mask: torch.Tensor | None = None, position_start: int | None = None,
                 positions: list[int] | None = None, all_logits: bool = False,
-                keep: list[int] | None = None) -> torch.Tensor:
+                keep: list[int] | None = None, logits: bool = True) -> torch.Tensor | None:
         """Append `ids` to `cache` at the next slots; return the logits of the last position (of every
-        position with `all_logits`, of the positions listed in `keep`). Positions run on from `position_start`
-        (default: the cache length), or are given one per token (`positions`: rows of scratch text that each
-        start at the same position)."""
+        position with `all_logits`, of the positions listed in `keep`; None with `logits` False: a prefill's
+        pass before its last). Positions run on from `position_start` (default: the cache length), or are given
+        one per token (`positions`: rows of scratch text that each start at the same position)."""
         if stop is not None and stop.is_set():
             raise Stopped()
-        if self.decode_step is not None and len(ids) == 1 and attention_mask is None and positions is None \
-                and not all_logits and keep is None:  # a decode step: the same logits, fewer calls
-            return self.decode_step(ids[0], cache.length if position_start is None else position_start, cache)
+        plain = attention_mask is None and positions is None and not all_logits and keep is None
+        start = cache.length if position_start is None else position_start
+        if plain and len(ids) == 1 and self.decode_step is not None:  # a decode step: the same logits, fewer calls
+            return self.decode_step(ids[0], start, cache)
+        if plain and len(ids) > 1 and self.prefill_step is not None and self.prefill_step.takes(cache):
+            return self.prefill_step(ids, start, cache, logits)
+        if plain and not logits:  # the layers only: the LM head costs more than a layer and nobody reads it
+            self.model.base_model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                                  position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
+                                  use_cache=True, **{self.cache_keyword: cache})
+            return None
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         if positions is None:
-            start = cache.length if position_start is None else position_start
             position_ids = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         else:
             position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
@@ -162,8 +171,9 @@ class Runner:
         tokens that ride along in the last pass (a margin instruction after its segment): a pass of their own
         would cost nearly a decode step before its first token (SmolLM2, 4k tokens of context: ~70 ms)."""
         t = time.perf_counter()
-        for chunk in prefill_passes(ids, then):
-            logits = self.forward(chunk, cache, stop)
+        passes = prefill_passes(ids, then)
+        for index, chunk in enumerate(passes):
+            logits = self.forward(chunk, cache, stop, logits=index == len(passes) - 1)
         self.meter.prefill_seconds += time.perf_counter() - t
         self.meter.prefill_tokens += len(ids) + len(then)
         return logits

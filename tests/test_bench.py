@@ -59,7 +59,8 @@ def test_prefill_quick(tmp_path):
     data = json.loads((tmp_path / "prefill_embedded.json").read_text())
     assert [r["tokens"] for r in data["rows"]] == [256, 640]
     for r in data["rows"]:
-        assert all(_number(r[k]) and r[k] > 0 for k in ("ratio", "gflops", "linear_gflops", "attention_kernel_gflops"))
+        assert all(_number(r[k]) and r[k] > 0 for k in ("ratio", "gflops", "linear_gflops", "attention_kernel_gflops",
+                                                        "forward_seconds", "forward_ratio"))  # both ways, one run
         shares = r["last_pass_time_shares"]
         assert all(0 <= v <= 1 for v in shares.values()) and shares["linears"] > 0 and shares["attention"] > 0
     assert "| 640 |" in (tmp_path / "prefill_embedded.md").read_text()

@@ -108,7 +108,7 @@ GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups",
               ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], {"avx2", "fma", "f16c"},
               wider=(["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
                      {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-              more=("decode_layers.cpp", "int8_rows.cpp"))
+              more=("decode_layers.cpp", "int8_rows.cpp", "prefill_rows.cpp"))
 
 
 def load():
