@@ -23,7 +23,10 @@ from pathlib import Path
 from .common import (RESULTS, book, fmt_bytes, load_engine, machine, md_table, median, n_tokens, peak_rss_bytes,
                      prose, reset_peak_rss, rss_bytes, segment_tokens_for, write_results)
 
-MODES = ("wim", "plain", "naive", "reference")
+# wim-forward: WiM again with transformers' forward for every pass (MARGINALIA_PREFILL_PASS=forward), untimed in
+# the rows: the reference pattern computes its passes with that forward, so its margins and answer must equal
+# this reading's (row 3's check); the engine's written-out pass rounds a few sums otherwise (bf16).
+MODES = ("wim", "plain", "naive", "reference", "wim-forward")
 QUERY = "Where is Walton's expedition going, and what does he hope to find there?"
 FOLLOWUP = "Who is Margaret Saville?"
 BOOK = "pg84.txt"  # Frankenstein: Walton's letters, then Victor's story
@@ -51,8 +54,10 @@ class Config:
 FULL = Config(
     doc_tokens=(4000, 7200),  # 7.2k: with 8 margins of 64 tokens and the answer, the 8,192-token window is full
     # Every figure is a median of 3 (the 8k naive and reference runs cost ~3 minutes each: ~50 minutes in all).
-    reps={4000: dict(wim=3, plain=3, naive=3, reference=3), 7200: dict(wim=3, plain=3, naive=3, reference=3)})
-QUICK = Config(doc_tokens=(400,), reps={400: dict(wim=1, plain=1, naive=1, reference=1)}, segments=4,
+    reps={4000: dict(wim=3, plain=3, naive=3, reference=3, **{"wim-forward": 1}),
+          7200: dict(wim=3, plain=3, naive=3, reference=3, **{"wim-forward": 1})})
+QUICK = Config(doc_tokens=(400,), reps={400: dict(wim=1, plain=1, naive=1, reference=1, **{"wim-forward": 1})},
+               segments=4,
                margin_tokens=8, answer_tokens=4, prefill=((128, 1, True), (256, 1, True), (512, 1, True)),
                contexts=(128, 256, 512), steps=2)
 
@@ -124,7 +129,8 @@ class Worker:
         cmd += [f"--device={args.device}"] if args.device else []
         cmd += [f"--dtype={args.dtype}"] if args.dtype else []
         cmd += [f"--model={args.model}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env = os.environ | ({"MARGINALIA_PREFILL_PASS": "forward"} if mode == "wim-forward" else {})
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      stderr=self.log.open("w"), text=True, bufsize=1, cwd=Path(__file__).parents[1])
         self.info: dict = {}
 
@@ -354,6 +360,11 @@ class Progress:
             f.write(json.dumps({"key": self.key, "id": piece, "data": data}, default=str) + "\n")
 
 
+def _reading(mode: str) -> str:
+    """The reading pattern a mode's worker runs (wim-forward is WiM; its worker's environment differs)."""
+    return "wim" if mode == "wim-forward" else mode
+
+
 def mode_runs(cfg: Config, args, tokenizer, progress: Progress, log) -> tuple[dict, dict, dict]:
     runs: dict = {}
     workers_info: dict = {}
@@ -364,7 +375,7 @@ def mode_runs(cfg: Config, args, tokenizer, progress: Progress, log) -> tuple[di
         settings = settings_for(tokenizer, text, cfg)
         docs[size] = {"tokens": n_tokens(tokenizer, text), "chars": len(text), "settings": settings,
                       "query": QUERY, "followup": FOLLOWUP}
-        reps = cfg.reps[size] if args.reps is None else dict.fromkeys(MODES, args.reps)
+        reps = cfg.reps[size] if args.reps is None else dict.fromkeys(MODES, args.reps) | {"wim-forward": 1}
         plan = [(rep, m) for rep in range(max(reps.values()))
                 for m in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotated: no mode always first
                 if rep < reps[m]]
@@ -381,10 +392,10 @@ def mode_runs(cfg: Config, args, tokenizer, progress: Progress, log) -> tuple[di
         warm = dict(settings_for(tokenizer, warm_text, cfg), segment_tokens=96, margin_tokens=2, answer_tokens=2)
         for m, w in workers.items():
             # One at a time: two multi-threaded processes on the same cores slow each other far more than 2x.
-            w.ask(mode=m, text=warm_text, query=QUERY, settings=warm, warmup=True)
+            w.ask(mode=_reading(m), text=warm_text, query=QUERY, settings=warm, warmup=True)
         for rep, m in todo:
             t = time.perf_counter()
-            result = workers[m].ask(mode=m, text=text, query=QUERY, settings=settings,
+            result = workers[m].ask(mode=_reading(m), text=text, query=QUERY, settings=settings,
                                     followup=FOLLOWUP if m == "wim" else None)
             progress.put(f"run/{size}/{m}/{rep}", result | {"worker": workers[m].info})
             log(f"  {size} rep {rep + 1} {m:9s} {result['seconds']:7.1f} s  (wall {time.perf_counter() - t:.0f} s)")
@@ -418,12 +429,14 @@ def assemble(cfg: Config, micro: dict, runs: dict, workers_info: dict, docs: dic
                                        "ratio": sec["naive"] / sec["wim"], "n": [n["naive"], n["wim"]],
                                        "tokens": {"naive": tok["naive"], "wim": tok["wim"]}})
         wim0 = by_mode["wim"][0]
-        identical = all(r["margins"] == wim0["margins"] and r["answer"] == wim0["answer"]
-                        for r in by_mode["reference"] + by_mode["wim"])
+        same = by_mode["wim-forward"][0] if by_mode.get("wim-forward") else wim0  # the reference's numerics
+        identical = all(r["margins"] == same["margins"] and r["answer"] == same["answer"]
+                        for r in by_mode["reference"] + by_mode.get("wim-forward", []))
         rows["3_reference_vs_wim"].append({
             "doc": label, "reference_s": sec["reference"], "wim_s": sec["wim"],
             "ratio": sec["reference"] / sec["wim"], "n": [n["reference"], n["wim"]],
             "tokens": {"reference": tok["reference"], "wim": tok["wim"]}, "identical": identical,
+            "written_out_same_text": same["margins"] == wim0["margins"] and same["answer"] == wim0["answer"],
             "margins": [m[1] for m in wim0["margins"]], "kept": [m[2] for m in wim0["margins"]],
             "answer": wim0["answer"], "reference_answer": by_mode["reference"][0]["answer"]})
         first = sec["wim"]
@@ -433,6 +446,8 @@ def assemble(cfg: Config, micro: dict, runs: dict, workers_info: dict, docs: dic
                                    "followup_tokens": {"prefill": wim0["followup_prefill_tokens"],
                                                        "decode": wim0["followup_decode_tokens"]}})
         for m, rs in by_mode.items():
+            if m == "wim-forward":  # a check's reading, not a reading pattern
+                continue
             info = workers_info[size][m]
             peak = max(r.get("cuda_peak", r["peak_rss"]) for r in rs)
             kv = max(r["kv_bytes"] for r in rs)
@@ -465,7 +480,8 @@ def summary(rows: dict) -> list[list]:
     for r in rows["2_naive_vs_wim"]:
         out.append(line(2, "naive two-pass / WiM", r["doc"], r["ratio"], "naive_vs_wim", r["n"]))
     for r in rows["3_reference_vs_wim"]:
-        out.append(line(3, f"reference / WiM (identical: {'yes' if r['identical'] else 'NO'})", r["doc"],
+        out.append(line(3, f"reference / WiM (identical to WiM on transformers' forward: "
+                           f"{'yes' if r['identical'] else 'NO'})", r["doc"],
                         r["ratio"], "reference_vs_wim", r["n"]))
     for r in rows["4_prefill_efficiency"]:
         out.append(line(4, "prefill FLOP/s / matmul FLOP/s", f"{r['tokens']:,} tokens", r["ratio"],
@@ -546,8 +562,9 @@ def markdown(data: dict) -> str:
                          fmt_bytes(r["rss_before_run"]), f"{r['ratio']:.2f}x", f"{r['ratio_without_runtime']:.2f}x",
                          r["n"]] for r in rows["7_memory"]]), ""]
     for r in rows["3_reference_vs_wim"]:
-        parts += [f"## Margins and answer, {r['doc']} (identical to the reference pattern: "
-                  f"{'yes' if r['identical'] else 'NO'})\n"]
+        parts += [f"## Margins and answer, {r['doc']} (the reference pattern's equal WiM's on transformers' forward: "
+                  f"{'yes' if r['identical'] else 'NO'}; the engine's written-out pass gave the same text: "
+                  f"{'yes' if r.get('written_out_same_text', True) else 'no'})\n"]
         parts += [f"{i + 1}. [{'kept' if k else 'dropped'}] {m!r}"
                   for i, (m, k) in enumerate(zip(r["margins"], r["kept"]))]
         parts += ["", f"Answer: {r['answer']!r}", ""]
@@ -626,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  answer (WiM): {r['answer']!r}\n  answer (reference): {r['reference_answer']!r}")
     print(f"\nwrote {paths[0]} and {paths[1]} in {meta['wall_seconds'] / 60:.1f} min")
     assert all(r["identical"] for r in rows["3_reference_vs_wim"]), \
-        "the reference pattern's margins or answer differ from the engine's under greedy decoding"
+        "the reference pattern's margins or answer differ from WiM's on transformers' forward under greedy decoding"
     return 0
 
 

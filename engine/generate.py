@@ -1,8 +1,11 @@
 """The two primitive operations on a cache: prefill tokens, decode tokens. Everything else is built on these.
 
 Every forward pass checks the stop flag first, so a Stop takes effect within one forward pass.
-Prefill asks the model for the logits of the last position only (`logits_to_keep=1`): the LM head over a
-49k vocabulary for every prefilled token would cost more than a transformer layer and be thrown away.
+Prefill asks the model for the logits of the last position only (`logits_to_keep=1`), and of none on a prefill's
+passes before its last: the LM head over a 49k-152k vocabulary for every prefilled token would cost more than a
+transformer layer and be thrown away. A pass of several tokens after a preallocated cache goes through
+engine/prefill_step.py (the pass written out) where the model's layout allows, one token through
+engine/decode_step.py; anything else through transformers' forward.
 """
 from __future__ import annotations
 

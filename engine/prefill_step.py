@@ -17,8 +17,12 @@ The linear layers are the model's own modules, so a decode copy, an int8 prefill
 exactly as transformers' forward would use it. The values are transformers' up to the order of a few sums (the
 merged attention, the rotary's fused multiply-add): tests/test_prefill_step.py checks the logits and the cache
 against transformers' forward; bench.prefill measures both ways in one run, bench.eval the answers.
+MARGINALIA_PREFILL_PASS=forward keeps transformers' forward for every pass (the other side of a comparison:
+bench.speed checks the reference pattern's margins and answer against a WiM reading made that way).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +91,8 @@ class PrefillStep:
         """The written-out pass where it computes what transformers would: a llama/qwen2 layout (no sliding
         window layers, silu MLP without bias, no o_proj bias, rotary over the whole head); None otherwise."""
         config = model.config
-        if getattr(config, "model_type", "") not in ARCHITECTURES or getattr(config, "hidden_act", "") != "silu" \
+        if os.environ.get("MARGINALIA_PREFILL_PASS", "written") == "forward" \
+                or getattr(config, "model_type", "") not in ARCHITECTURES or getattr(config, "hidden_act", "") != "silu" \
                 or getattr(config, "mlp_bias", False) or getattr(config, "use_sliding_window", False) \
                 or any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) \
                 or getattr(config, "partial_rotary_factor", 1.0) != 1.0 \

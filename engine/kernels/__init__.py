@@ -13,7 +13,9 @@ step of the 1.5B 1.25x faster on 2 threads and 1.56x on 1 (bench.decode_kernels,
 decode_layers.cpp is built into the same library: `decode_layers()` gives engine/decode_step.py a decode step's
 layers run from C++ (the same values as its Python loop, without Python's cost per op).
 int8_rows.cpp, in the same library, rounds a pass's rows to int8 and scales int32 sums back for
-engine/prefill_int8.py (`quantize_rows`, `dequantize_rows`).
+engine/prefill_int8.py (`quantize_rows`, `dequantize_rows`); prefill_rows.cpp does a bf16 prefill pass's
+elementwise work for engine/prefill_step.py (norms, residual adds, rotary, silu times up), one pass over memory
+each, with torch's values.
 
 The build goes through torch.utils.cpp_extension.load into $TORCH_EXTENSIONS_DIR or
 ~/.cache/marginalia/kernels/<torch version>/ (a torch upgrade rebuilds, a changed source rebuilds, otherwise
