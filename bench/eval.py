@@ -341,6 +341,8 @@ def fingerprint(engine, args) -> str:
                                           or os.environ.get("MARGINALIA_DECODE_WEIGHTS"))
                not in (None, "auto") else []),
              *(["prefill=int8"] if getattr(engine.lm, "prefill_int8", None) else []),  # other values in the cache
+             # transformers' forward for every pass, asked for (the written-out pass rounds a few sums otherwise)
+             *(["prefill=forward"] if os.environ.get("MARGINALIA_PREFILL_PASS") == "forward" else []),
              args.seed, MARGINS_ONLY_PROMPT, *(p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt")))]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
 
