@@ -136,7 +136,8 @@ class Models:
         if config is None or not lm.serial:
             return None
         if getattr(self, "_reach_of", (None,))[0] != lm.spec:
-            weights = sum(p.numel() for p in lm.model.parameters())
+            from engine.packed import weights as packed_weights
+            weights = packed_weights(lm.model)[0]
             self._reach_of = (lm.spec, weights / (2 * config.num_hidden_layers * config.hidden_size))
         return self._reach_of[1]
 

@@ -27,7 +27,8 @@ def child(spec: str, path: str) -> dict:
     case = json.loads(Path(path).read_text())
     engine = Engine.load(spec)
     model = engine.lm.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    from engine.packed import weights as packed_weights
+    weights = packed_weights(model)[1]
     packs = (engine.lm.packs or {}).get("bytes", 0)
     reading = engine.open(case["context"], Settings())
     most = 0

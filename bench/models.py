@@ -63,7 +63,8 @@ def child(spec: str, source: str, prefill: int, decode: int) -> dict:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "GgufLinear"]
     packed = sum(type(m).__name__ == "GgufLinear" for m in linears)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from engine.packed import weights as packed_weights
+    weight_bytes = packed_weights(model)[1]
 
     ids = tokenizer(prose(tokenizer, prefill + 64), add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = ids[:, :prefill]

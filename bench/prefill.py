@@ -5,7 +5,9 @@ down) at PREFILL_CHUNK rows, in the engine's dtype and at the thread count given
 the app uses), measured in the same process right before each prefill. A prefill's rate counts every matmul FLOP
 of its layers and of causal attention (bench.speed's Shape), so a pass that ran its linears at the yardstick's rate
 and its attention as fast would score 100%. Each prefill runs through the written-out pass (engine/prefill_step.py,
-the engine's) and through transformers' forward, alternating, so the gain is measured side by side. The torch profiler then splits one 512-token pass after a cache of
+the engine's) and through transformers' forward, alternating, so the gain is measured side by side; with --dense,
+where the engine prepacked its weights for oneDNN (engine/packed.py), also through a second copy of the model whose
+weights are left as they are. The torch profiler then splits one 512-token pass after a cache of
 each length into the linears, the attention kernel and everything else, and the attention kernel is timed alone
 on the model's shape, to say which part holds a prefill below the yardstick.
 
@@ -71,14 +73,15 @@ def pass_shares(runner, cache, ids: list[int]) -> dict:
     total = linears = attention = 0.0
     for event in prof.key_averages():
         total += event.self_cpu_time_total
-        if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu"):
+        if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
+                         "mkldnn::_linear_pointwise", "aten::_int_mm"):  # prepacked weights, int8 prefill
             linears += event.self_cpu_time_total
         elif "attention" in event.key:
             attention += event.self_cpu_time_total
     return {"linears": linears / total, "attention": attention / total, "other": 1 - (linears + attention) / total}
 
 
-def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
+def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> list[dict]:
     """A row per length: the prefill of that many tokens into an empty cache against the yardstick measured right
     before it (`reps` of each, medians), the attention kernel's rate at that context, and one profiled pass."""
     import torch
@@ -95,6 +98,10 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
     forward = Runner(model, lm.tokenizer, lm.device)  # transformers' forward, for the side-by-side column
     forward.prefill_step = None
     ways = [runner, forward] if runner.prefill_step is not None else [runner]
+    # `dense`: the same model loaded with its full weights as they are (MARGINALIA_PREPACK=off), where the engine
+    # prepacked them (engine/packed.py's prepack_full_weights): the written-out pass over those, a third way
+    unpacked = Runner(dense.lm.model, dense.lm.tokenizer, dense.lm.device) if dense is not None else None
+    ways += [unpacked] if unpacked is not None else []
     with torch.inference_mode():
         for way in ways:
             warm = make_cache(model, 2 * rows + 8)
@@ -103,14 +110,15 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
         out = []
         for n in lengths:
             log(f"prefill {n:,} tokens x{reps}")
-            yard, seconds, forward_seconds = [], [], []
+            yard, seconds, forward_seconds, dense_seconds = [], [], [], []
             for rep in range(reps):
                 yard.append(linear_gflops(model, dtype, rows)["gflops"])
                 for way in ways if rep % 2 == 0 else ways[::-1]:  # the order alternates
                     cache = make_cache(model, n + rows)
                     t = time.perf_counter()
                     way.prefill(ids[:n], cache)
-                    (seconds if way is runner else forward_seconds).append(time.perf_counter() - t)
+                    (seconds if way is runner else forward_seconds if way is forward else dense_seconds).append(
+                        time.perf_counter() - t)
                     del cache
             flops = shape.prefill_flops(n)
             context = max(n, rows)
@@ -124,6 +132,7 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print) -> list[dict]:
                         "gflop": flops / 1e9, "gflops": gflops, "linear_gflops": median(yard),
                         "ratio": gflops / median(yard),
                         "forward_seconds": median(forward_seconds) if forward_seconds else None,
+                        "dense_seconds": median(dense_seconds) if dense_seconds else None,
                         "forward_ratio": flops / median(forward_seconds) / 1e9 / median(yard) if forward_seconds else None,
                         "attention_flop_share": shape.attention_flops(0, n) / flops,
                         "attention_kernel_gflops": attention_gflops(shape, dtype, context, rows),
@@ -135,18 +144,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     table = md_table(
         ["tokens", "s", "tok/s", "GFLOP/s", "model's matmuls GFLOP/s", "prefill / matmuls", f"target >= {TARGET:.0%}",
          "transformers' forward: s", "forward / matmuls", "forward / written out, time",
+         "dense weights / prepacked, time",
          "attention: share of FLOPs", "attention kernel GFLOP/s", "last 512-token pass: linears / attention / other"],
         [[f"{r['tokens']:,}", f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['gflops']:.0f}",
           f"{r['linear_gflops']:.0f}", f"{r['ratio']:.0%}",
           ("yes" if r["ratio"] >= TARGET else "NO") if r["tokens"] <= 4096 else "(reported)",
           *((f"{r['forward_seconds']:.2f}", f"{r['forward_ratio']:.0%}", f"{r['forward_seconds'] / r['seconds']:.2f}x")
             if r.get("forward_seconds") else ("-", "-", "-")),
+          f"{r['dense_seconds'] / r['seconds']:.2f}x" if r.get("dense_seconds") else "-",
           f"{r['attention_flop_share']:.0%}", f"{r['attention_kernel_gflops']:.0f}",
           " / ".join(f"{r['last_pass_time_shares'][k]:.0%}" for k in ("linears", "attention", "other"))]
          for r in rows])
     return "\n".join([
         "# Prefill against the model's own matmuls\n",
-        f"{meta['model']}, {meta['dtype']}, {meta['threads']} thread(s), {meta['cpu']}; passes of {meta['chunk']} "
+        f"{meta['model']}, {meta['dtype']} (weights for passes of many rows: {meta.get('weights', 'full')}), "
+        f"{meta['threads']} thread(s), {meta['cpu']}; passes of {meta['chunk']} "
         f"tokens through the written-out pass (engine/prefill_step.py) and, in the same run, the two alternating, "
         f"through transformers' forward; medians of {meta['reps']}; load average {meta['load']:.1f} before. The yardstick: one layer's seven "
         f"linears at {meta['chunk']} rows, measured before each prefill; its plain "
@@ -163,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: torch's (all cores, as the app)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the 135M, 256 and 640 tokens, once")
+    parser.add_argument("--dense", action="store_true",
+                        help="where the engine prepacks its weights, also time a second copy of the model whose "
+                             "weights are left as they are (twice the memory)")
     args = parser.parse_args(argv)
     if args.quick:
         if args.out is None:
@@ -174,13 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     engine = load_engine(model=args.model)
     lm = engine.lm
+    dense = None
+    if args.dense and lm.prepacked and lm.prepacked["matrices"]:  # the same model, its weights left as they are
+        os.environ["MARGINALIA_PREPACK"] = "off"
+        dense = load_engine(model=args.model)
+        del os.environ["MARGINALIA_PREPACK"]
     from engine.generate import PREFILL_CHUNK
     cfg = lm.model.config.get_text_config(decoder=True)
     a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)
     b = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=lm.dtype)
     plain = 2 * PREFILL_CHUNK * cfg.hidden_size * cfg.intermediate_size / timed(lambda: a @ b, 5) / 1e9
-    rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps)
+    rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps, dense=dense)
     meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "weights": lm.info["prefill_weights"],
             "cpu": cpu_name(), "chunk": PREFILL_CHUNK, "reps": args.reps, "load": load, "plain_gflops": plain,
             "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "target": TARGET}
     md = markdown(meta, rows)

@@ -87,13 +87,14 @@ def worker(device: str | None, dtype: str | None, model: str) -> None:
     os.dup2(2, 1)  # anything else printed (progress bars, warnings) goes to stderr, never into the protocol
     import torch
     from engine import Settings
+    from engine.packed import weights as packed_weights
     from .baselines import run_mode
     runtime_rss = rss_bytes()  # Python + torch + transformers, before the model
     engine = load_engine(device, dtype, model)
     cuda = engine.lm.device.type == "cuda"
     # The weights the model holds: its parameters and, beside them, the 4-bit decode packs (engine/packed.py).
     packs = (engine.lm.packs or {}).get("bytes", 0)
-    weights = sum(p.numel() * p.element_size() for p in engine.lm.model.parameters()) + packs
+    weights = packed_weights(engine.lm.model)[1] + packs
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[1].glob("engine/*.py"))
                                    + [Path(__file__).with_name("baselines.py")])).hexdigest()[:12]
     out.write(json.dumps({"ready": True, "code": code, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),

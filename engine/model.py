@@ -58,6 +58,7 @@ class LoadedModel:
     spec: str = EMBEDDED  # what load_model was asked for: `embedded`, `qwen2.5-1.5b`, a path or a hub id
     packs: dict | None = None  # engine/packed.py's 4-bit decode weights: packed/skipped matrices and bytes
     prefill_int8: dict | None = None  # engine/prefill_int8.py's copies where asked for: matrices and bytes
+    prepacked: dict | None = None  # engine/packed.py's prepack_full_weights: matrices and bytes
     serial = True  # one forward pass at a time on this model (engine/remote.py's server batches instead)
 
     def runner(self, meter=None):
@@ -66,6 +67,7 @@ class LoadedModel:
 
     @property
     def info(self) -> dict:
+        from .packed import weights as packed_weights
         cfg = self.model.config
         return {
             "name": self.name,
@@ -73,7 +75,7 @@ class LoadedModel:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention": self.attention,
             "context_length": self.context_length,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": packed_weights(self.model)[0],
             "layers": cfg.num_hidden_layers,
             "load_seconds": round(self.load_seconds, 2),
             "spec": self.spec,
@@ -83,7 +85,9 @@ class LoadedModel:
                                f"({self.packs['bytes'] / 2**20:,.0f} MiB)" if self.packs and self.packs["packed"]
                                else "full"),
             "prefill_weights": (f"int8 for {self.prefill_int8['matrices']} matrices "
-                                f"({self.prefill_int8['bytes'] / 2**20:,.0f} MiB)" if self.prefill_int8 else "full"),
+                                f"({self.prefill_int8['bytes'] / 2**20:,.0f} MiB)" if self.prefill_int8
+                                else f"full, prepacked for oneDNN ({self.prepacked['matrices']} matrices)"
+                                if self.prepacked and self.prepacked["matrices"] else "full"),
         }
 
 
@@ -562,11 +566,16 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
         from .packed import add_decode_packs
         packs = add_decode_packs(model, source, converted, decode) | {"choice": decode}
     int8 = add_prefill_int8(model) if prefill == "int8" else None  # after the packs: it extends their modules
+    prepacked = None
+    if dev.type == "cpu" and torch_dtype == torch.bfloat16 and cpu_has_bf16_matrix_units() \
+            and os.environ.get("MARGINALIA_PREPACK", "on") != "off":  # measured with AMX only (engine/packed.py)
+        from .packed import prepack_full_weights
+        prepacked = prepack_full_weights(model)
     if tokenizer.chat_template is None:
         raise RuntimeError(f"{name} has no chat template: Marginalia needs an instruction-tuned chat model.")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or tokenizer.model_max_length
     return LoadedModel(model, tokenizer, name, dev, torch_dtype, attention, int(context), time.perf_counter() - start,
-                       spec, packs, int8)
+                       spec, packs, int8, prepacked)
 
 
 @dataclass

@@ -139,3 +139,42 @@ def test_a_pass_whose_logits_nobody_reads_returns_none(engine):
         cache = make_cache(lm.model, 64)
         assert runner.forward(ids, cache, logits=False) is None
         assert cache.length == len(ids)
+
+
+def _mkldnn_bf16() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=BF16), 8)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _mkldnn_bf16(), reason="this torch has no oneDNN bf16 linear")
+def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
+    """prepack_full_weights: each layer's full weights move into oneDNN's blocked layout (no second copy: the
+    parameters shrink by what the buffers hold, the weights' total stays), the dense values come back on demand,
+    and a prefill predicts what the dense weights predict (the 135M's down projection rounds differently in oneDNN's
+    packed kernel at 512 rows; the 1.5B's shapes gave the same values bit for bit, docs/speed-and-memory.md)."""
+    from engine.packed import prepack_full_weights, weights
+    monkeypatch.setenv("MARGINALIA_PREPACK", "off")
+    lm = Engine.load("embedded", device="cpu", dtype="bf16").lm
+    assert lm.prepacked is None
+    ids = lm.tokenizer("The margins of a long book hold what the reader noticed. " * 80)["input_ids"][:700]
+    runner = Runner(lm.model, lm.tokenizer, lm.device)
+    dense_cache = make_cache(lm.model, 708)
+    dense = runner.prefill(ids, dense_cache)
+    up = lm.model.model.layers[3].mlp.up_proj
+    original = up.weight.detach().clone()
+    values, nbytes = weights(lm.model)
+    parameters = sum(p.numel() for p in lm.model.parameters())
+
+    done = prepack_full_weights(lm.model)
+    assert done["matrices"] == 7 * len(lm.model.model.layers)
+    assert weights(lm.model) == (values, nbytes)
+    assert sum(p.numel() for p in lm.model.parameters()) == parameters - done["bytes"] // 2
+    assert "weight" not in up._parameters and torch.equal(up.weight, original)
+    packed_cache = make_cache(lm.model, 708)
+    packed = runner.prefill(ids, packed_cache)
+    assert packed.argmax() == dense.argmax()
+    assert (packed - dense).abs().max() <= 0.05 * dense.abs().max()
+    assert packed_cache.length == dense_cache.length == len(ids)
