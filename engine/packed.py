@@ -110,7 +110,11 @@ def prepack_full_weights(model, rows: int = 512) -> dict:
             if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
                     or getattr(module, "prefill_q", None) is not None:
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+            except (RuntimeError, AttributeError) as error:  # a torch without oneDNN's bf16 linear: left dense
+                log.warning("weights left dense (oneDNN refused to prepack them): %s", str(error).splitlines()[0])
+                break
             del module._parameters["weight"]
             module.register_buffer("prefill_packed", packed, persistent=False)
             matrices, nbytes = matrices + 1, nbytes + weight.numel() * weight.element_size()
