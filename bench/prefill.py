@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the 135M, 256 and 640 tokens, once")
     parser.add_argument("--dense", action="store_true",
-                        help="where the engine prepacks its weights, also time a second copy of the model whose "
-                             "weights are left as they are (twice the memory)")
+                        help="where the engine prepacks its weights (MARGINALIA_PREPACK=on), also time a second copy "
+                             "of the model whose weights are left as they are (twice the memory)")
     args = parser.parse_args(argv)
     if args.quick:
         if args.out is None:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dense and lm.prepacked and lm.prepacked["matrices"]:  # the same model, its weights left as they are
         os.environ["MARGINALIA_PREPACK"] = "off"
         dense = load_engine(model=args.model)
-        del os.environ["MARGINALIA_PREPACK"]
+        os.environ["MARGINALIA_PREPACK"] = "on"
     from engine.generate import PREFILL_CHUNK
     cfg = lm.model.config.get_text_config(decoder=True)
     a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)

@@ -102,7 +102,11 @@ def prepack_full_weights(model, rows: int = 512) -> dict:
     not see it; a prefill pass reads 28 layers' from memory. Measured on 2 cores of an Intel Xeon with AMX
     (2026-12-05): a 512 x 1536 @ 1536 x 8960 product over the 28 layers' up projections ran at 1,104 GFLOP/s, the
     same matrix 28 times at 1,796, the prepacked ones at 1,884, with the same values bit for bit. The packed weight
-    replaces the dense one (no second copy); the rare paths that want a dense weight get one made for them."""
+    replaces the dense one as a parameter; the rare paths that want a dense weight get one made for them. But the
+    dense weights were loaded from a memory-mapped file whose mapping the other tensors keep alive, so their pages
+    stay resident: `python -m engine read` of the 8k BABILong file peaked at 7,397 MiB with it against 4,891
+    MiB without (same machine and day). Hence opt-in (MARGINALIA_PREPACK=on, engine/model.py) until the dense pages
+    are released."""
     matrices = nbytes = 0
     with torch.inference_mode():
         for module in model.model.layers.modules():  # not the LM head: it shares the embeddings' weight
