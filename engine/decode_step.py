@@ -25,6 +25,16 @@ from .cache import PreallocatedLayer
 ARCHITECTURES = ("llama", "qwen2")
 
 
+def written_out_layout(model) -> bool:
+    """Whether the written-out steps (this one, engine/prefill_step.py's pass) compute what transformers' forward
+    would: a llama/qwen2 layout with no sliding-window layers, a silu MLP without bias and no o_proj bias."""
+    config = model.config
+    return getattr(config, "model_type", "") in ARCHITECTURES and getattr(config, "hidden_act", "") == "silu" \
+        and not getattr(config, "mlp_bias", False) and not getattr(config, "use_sliding_window", False) \
+        and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or [])) \
+        and all(layer.self_attn.o_proj.bias is None for layer in model.model.layers)
+
+
 class _Layer:
     """One decoder layer's tensors, grouped the way the step calls the kernels."""
 
@@ -72,17 +82,13 @@ class DecodeStep:
         """The written-out step where it computes what transformers would: a llama/qwen2 layout (no sliding
         window layers, silu MLP without bias, no o_proj bias) whose seven linears a layer are all gguf-q8
         copies; None otherwise."""
-        config = model.config
-        if getattr(config, "model_type", "") not in ARCHITECTURES or getattr(config, "hidden_act", "") != "silu" \
-                or getattr(config, "mlp_bias", False) or getattr(config, "use_sliding_window", False) \
-                or any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        if not written_out_layout(model):
             return None
         for layer in model.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
                        mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if not all(isinstance(m, (packed.Q4Linear, packed.Int8Linear)) and m.round_x for m in linears) \
-                    or attention.o_proj.bias is not None:
+            if not all(isinstance(m, (packed.Q4Linear, packed.Int8Linear)) and m.round_x for m in linears):
                 return None
         from .kernels import GEMV
         return cls(model, native) if GEMV.load() is not None else None

@@ -9,13 +9,14 @@ model: the same layers as transformers' forward, with less work around the matri
   BF16 without AMX) that kernel takes the whole pass, computing the causal offset itself.
 - **The cache written in place**: the rotated keys go straight into their cache slots, the values are copied
   there once, no [n x (p + n)] mask is made and no module plumbing runs.
-- **Rotary and the MLP's product in fewer ops**: each rotated half is one multiply and one fused multiply-add,
-  silu and the product run in place on the gate's output, the residual adds are in place.
+- **The elementwise work in one pass each** (bf16, engine/kernels/prefill_rows.cpp, rounded where transformers
+  rounds): each norm with the residual add before it, the rotary, silu times up in place on the gate's output;
+  elsewhere (fp32, no kernels) torch's ops, in place where they can be.
 - **No LM head on a pass whose logits nobody reads** (every pass of a prefill but its last).
 
 The linear layers are the model's own modules, so a decode copy, an int8 prefill copy or a plain weight is used
 exactly as transformers' forward would use it. The values are transformers' up to the order of a few sums (the
-merged attention, the rotary's fused multiply-add): tests/test_prefill_step.py checks the logits and the cache
+merged attention, the norms' statistics): tests/test_prefill_step.py checks the logits and the cache
 against transformers' forward; bench.prefill measures both ways in one run, bench.eval the answers.
 MARGINALIA_PREFILL_PASS=forward keeps transformers' forward for every pass (the other side of a comparison:
 bench.speed checks the reference pattern's margins and answer against a WiM reading made that way).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from .attention import fused_enabled
 from .cache import CacheFull, PreallocatedLayer
-from .decode_step import ARCHITECTURES, DecodeStep
+from .decode_step import DecodeStep, written_out_layout
 
 
 def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scaling: float
@@ -90,13 +91,8 @@ class PrefillStep:
     def of(cls, model, native: bool = True) -> "PrefillStep | None":
         """The written-out pass where it computes what transformers would: a llama/qwen2 layout (no sliding
         window layers, silu MLP without bias, no o_proj bias, rotary over the whole head); None otherwise."""
-        config = model.config
-        if os.environ.get("MARGINALIA_PREFILL_PASS", "written") == "forward" \
-                or getattr(config, "model_type", "") not in ARCHITECTURES or getattr(config, "hidden_act", "") != "silu" \
-                or getattr(config, "mlp_bias", False) or getattr(config, "use_sliding_window", False) \
-                or any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) \
-                or getattr(config, "partial_rotary_factor", 1.0) != 1.0 \
-                or any(layer.self_attn.o_proj.bias is not None for layer in model.model.layers):
+        if os.environ.get("MARGINALIA_PREFILL_PASS", "written") == "forward" or not written_out_layout(model) \
+                or getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:
             return None
         return cls(model, native)
 
