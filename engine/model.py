@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -567,10 +568,11 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
         packs = add_decode_packs(model, source, converted, decode) | {"choice": decode}
     int8 = add_prefill_int8(model) if prefill == "int8" else None  # after the packs: it extends their modules
     prepacked = None
-    # Opt-in (MARGINALIA_PREPACK=on), measured with AMX only: faster passes, but the dense weights' pages stay
-    # mapped beside the packed copies (a read's peak RSS 7.2 against 4.8 GiB; engine/packed.py).
-    if dev.type == "cpu" and torch_dtype == torch.bfloat16 and cpu_has_bf16_matrix_units() \
-            and os.environ.get("MARGINALIA_PREPACK", "off") == "on":
+    # The default on Linux CPUs with AMX, where it was measured (engine/packed.py); MARGINALIA_PREPACK=off keeps
+    # the dense weights, =on asks for it on other bf16 CPUs. Off Linux the dense pages could not be handed back.
+    prepack = os.environ.get("MARGINALIA_PREPACK") or ("on" if "amx_bf16" in cpu_flags()
+                                                       and sys.platform.startswith("linux") else "off")
+    if dev.type == "cpu" and torch_dtype == torch.bfloat16 and cpu_has_bf16_matrix_units() and prepack == "on":
         from .packed import prepack_full_weights
         prepacked = prepack_full_weights(model)
     if tokenizer.chat_template is None:

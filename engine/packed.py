@@ -23,7 +23,9 @@ weights are fp32). Checked against the loaded weight the same way.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 from pathlib import Path
 from typing import Iterator
@@ -95,19 +97,20 @@ def weights(model) -> tuple[int, int]:
 
 def prepack_full_weights(model, rows: int = 512) -> dict:
     """Each decode-copy linear's full bf16 weight replaced by the same values prepacked in oneDNN's blocked
-    layout for passes of `rows` rows (engine/generate.py's PREFILL_CHUNK): {"matrices", "bytes"}.
+    layout for passes of `rows` rows (engine/generate.py's PREFILL_CHUNK): {"matrices", "bytes", "released"}
+    (bytes of the dense weights' mapped pages handed back).
 
     Why: torch's bf16 matmul on a CPU hands oneDNN a plain weight, which oneDNN reorders into its blocked layout
     on every call. One layer's weights sit in the cache between calls, so a benchmark that repeats one matrix does
     not see it; a prefill pass reads 28 layers' from memory. Measured on 2 cores of an Intel Xeon with AMX
     (2026-12-05): a 512 x 1536 @ 1536 x 8960 product over the 28 layers' up projections ran at 1,104 GFLOP/s, the
     same matrix 28 times at 1,796, the prepacked ones at 1,884, with the same values bit for bit. The packed weight
-    replaces the dense one as a parameter; the rare paths that want a dense weight get one made for them. But the
+    replaces the dense one as a parameter; the rare paths that want a dense weight get one made for them. The
     dense weights were loaded from a memory-mapped file whose mapping the other tensors keep alive, so their pages
-    stay resident: `python -m engine read` of the 8k BABILong file peaked at 7,397 MiB with it against 4,891
-    MiB without (same machine and day). Hence opt-in (MARGINALIA_PREPACK=on, engine/model.py) until the dense pages
-    are released."""
-    matrices = nbytes = 0
+    would stay resident beside the packed copies (`python -m engine read` of the 8k BABILong file peaked at 7,397
+    MiB against 4,891 without): each one's pages are handed back as it is replaced (`release_mapped_pages`)."""
+    matrices = nbytes = released = 0
+    mapped = _file_mappings()
     with torch.inference_mode():
         for module in model.model.layers.modules():  # not the LM head: it shares the embeddings' weight
             weight = module._parameters.get("weight") if isinstance(module, _DecodeCopy) else None
@@ -119,10 +122,51 @@ def prepack_full_weights(model, rows: int = 512) -> dict:
             except (RuntimeError, AttributeError) as error:  # a torch without oneDNN's bf16 linear: left dense
                 log.warning("weights left dense (oneDNN refused to prepack them): %s", str(error).splitlines()[0])
                 break
+            released += release_mapped_pages(weight, mapped)
             del module._parameters["weight"]
             module.register_buffer("prefill_packed", packed, persistent=False)
             matrices, nbytes = matrices + 1, nbytes + weight.numel() * weight.element_size()
-    return {"matrices": matrices, "bytes": nbytes}
+    return {"matrices": matrices, "bytes": nbytes, "released": released}
+
+
+MADV_DONTNEED = 4  # Linux's value
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's file-backed mappings (an inode other than 0); none off Linux."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 5 and fields[4] != "0":
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def release_mapped_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> int:
+    """Hand back the resident pages of a tensor read from a memory-mapped file, once nothing will read it again
+    (the pages wholly inside it; a neighbour's shared page stays): bytes released, 0 where it is not in one of
+    `mapped` (_file_mappings). The mapping stays; a page read again comes back from the file, so a tensor in the
+    heap is never touched (madvise there would zero it)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(low <= start and end <= high for low, high in mapped):
+        return 0
+    page = mmap.PAGESIZE
+    low, high = -(-start // page) * page, end // page * page
+    if high <= low:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(low, high - low, MADV_DONTNEED) != 0:
+        log.warning("madvise failed (errno %d): the dense pages stay resident", ctypes.get_errno())
+        return 0
+    return high - low
 
 
 class PackedLinear(_DecodeCopy):

@@ -3,6 +3,8 @@ attention without a mask gives the masked attention's, and a prefill through it 
 cache on the real model."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -13,6 +15,11 @@ from engine.prefill_step import PrefillStep, split_attention
 
 needs_kernels = pytest.mark.skipif(kernels.GEMV.load() is None, reason="engine/kernels unavailable (no AVX2)")
 BF16 = torch.bfloat16
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
 def hf_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,8 +175,12 @@ def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
     values, nbytes = weights(lm.model)
     parameters = sum(p.numel() for p in lm.model.parameters())
 
+    before = _resident_mib()
     done = prepack_full_weights(lm.model)
     assert done["matrices"] == 7 * len(lm.model.model.layers)
+    if sys.platform.startswith("linux"):  # the dense weights were read from a mapped file: their pages go back
+        assert done["released"] >= 0.95 * done["bytes"]
+        assert _resident_mib() - before < 0.5 * done["bytes"] / 2**20  # without it: + the packed copies' bytes
     assert weights(lm.model) == (values, nbytes)
     assert sum(p.numel() for p in lm.model.parameters()) == parameters - done["bytes"] // 2
     assert "weight" not in up._parameters and torch.equal(up.weight, original)
@@ -178,3 +189,15 @@ def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
     assert packed.argmax() == dense.argmax()
     assert (packed - dense).abs().max() <= 0.05 * dense.abs().max()
     assert packed_cache.length == dense_cache.length == len(ids)
+
+
+def test_prepacking_is_the_default_on_linux_cpus_with_amx(monkeypatch):
+    """Where it was measured (AMX, Linux) the weights load prepacked; elsewhere dense unless asked for."""
+    from engine.kernels import cpu_flags
+    monkeypatch.delenv("MARGINALIA_PREPACK", raising=False)
+    lm = Engine.load("embedded", device="cpu", dtype="bf16").lm
+    if "amx_bf16" in cpu_flags() and sys.platform.startswith("linux") and _mkldnn_bf16():
+        assert lm.prepacked["matrices"] == 7 * len(lm.model.model.layers)
+        assert "prepacked" in lm.info["prefill_weights"]
+    else:
+        assert lm.prepacked is None
