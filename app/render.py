@@ -447,6 +447,7 @@ def model_choice_label(m: dict) -> str:
 def model_info_html(info: dict, rates: dict | None = None) -> str:
     rows = [("Model", info.get("name")), ("Device", info.get("device")), ("Precision", info.get("dtype")),
             ("Attention", info.get("attention")), ("Decode weights", info.get("decode_weights")),
+            ("Prefill weights", info.get("prefill_weights")),
             ("Context window", f"{int(info['context_length']):,} tokens" if info.get("context_length") else None),
             ("Parameters", f"{int(info['parameters']) / 1e6:,.0f} M" if info.get("parameters") else None),
             ("Loaded in", f"{info['load_seconds']:.1f} s" if info.get("load_seconds") is not None

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the 135M, 256 and 640 tokens, once")
     parser.add_argument("--dense", action="store_true",
-                        help="where the engine prepacks its weights (MARGINALIA_PREPACK=on), also time a second copy "
+                        help="where the engine prepacks its weights (the default with AMX), also time a second copy "
                              "of the model whose weights are left as they are (twice the memory)")
     args = parser.parse_args(argv)
     if args.quick:

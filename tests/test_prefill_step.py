@@ -192,7 +192,9 @@ def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
 
 
 def test_prepacking_is_the_default_on_linux_cpus_with_amx(monkeypatch):
-    """Where it was measured (AMX, Linux) the weights load prepacked; elsewhere dense unless asked for."""
+    """Where it was measured (AMX, Linux) the weights load prepacked; elsewhere dense unless asked for. The
+    app's model panel says which."""
+    from app.render import model_info_html
     from engine.kernels import cpu_flags
     monkeypatch.delenv("MARGINALIA_PREPACK", raising=False)
     lm = Engine.load("embedded", device="cpu", dtype="bf16").lm
@@ -201,3 +203,4 @@ def test_prepacking_is_the_default_on_linux_cpus_with_amx(monkeypatch):
         assert "prepacked" in lm.info["prefill_weights"]
     else:
         assert lm.prepacked is None
+    assert f"<dt>Prefill weights</dt><dd>{lm.info['prefill_weights']}</dd>" in model_info_html(lm.info)
