@@ -72,20 +72,21 @@ class _DecodeCopy(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > DECODE_ROWS and getattr(self, "prefill_packed", None) is not None:
+        y = self.few_rows(x.reshape(rows, x.shape[-1])) if rows <= DECODE_ROWS else None
+        if y is not None:
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if getattr(self, "prefill_packed", None) is not None:  # also a few rows whose copy declined (no kernels)
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.prefill_packed, self.bias,
                                                    "none", [], "")
             return y.reshape(*x.shape[:-1], self.out_features)
         if rows > DECODE_ROWS and getattr(self, "prefill_q", None) is not None:  # engine/prefill_int8.py's copy
             from .prefill_int8 import int8_matmul
             y = int8_matmul(x.reshape(rows, x.shape[-1]), self.prefill_q, self.prefill_scale, self.bias)
-            return F.linear(x, self.weight, self.bias) if y is None else y.reshape(*x.shape[:-1], self.out_features)
-        y = self.few_rows(x.reshape(rows, x.shape[-1])) if rows <= DECODE_ROWS else None
-        if y is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
 
 def weights(model) -> tuple[int, int]:

@@ -184,6 +184,11 @@ def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
     assert weights(lm.model) == (values, nbytes)
     assert sum(p.numel() for p in lm.model.parameters()) == parameters - done["bytes"] // 2
     assert "weight" not in up._parameters and torch.equal(up.weight, original)
+    one_row = torch.randn(1, up.in_features).to(BF16)
+    monkeypatch.setattr(type(up), "few_rows", lambda self, x: None)  # a decode copy that declines (no kernels)
+    monkeypatch.setattr(type(up), "weight", property(lambda self: pytest.fail("a dense copy made per call")))
+    assert torch.allclose(up(one_row), torch.nn.functional.linear(one_row, original), rtol=0.01, atol=1e-3)
+    monkeypatch.undo()
     packed_cache = make_cache(lm.model, 708)
     packed = runner.prefill(ids, packed_cache)
     assert packed.argmax() == dense.argmax()
