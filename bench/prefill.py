@@ -191,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     lm = engine.lm
     dense = None
     if args.dense and lm.prepacked and lm.prepacked["matrices"]:  # the same model, its weights left as they are
+        asked = os.environ.get("MARGINALIA_PREPACK")
         os.environ["MARGINALIA_PREPACK"] = "off"
         dense = load_engine(model=args.model)
-        os.environ["MARGINALIA_PREPACK"] = "on"
+        if asked is None:  # prepacked by default here: leave the setting as it was found
+            del os.environ["MARGINALIA_PREPACK"]
+        else:
+            os.environ["MARGINALIA_PREPACK"] = asked
     from engine.generate import PREFILL_CHUNK
     cfg = lm.model.config.get_text_config(decoder=True)
     a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from bench.common import rss_bytes
 from engine import Engine, kernels
 from engine.cache import make_cache
 from engine.generate import Runner
@@ -15,11 +16,6 @@ from engine.prefill_step import PrefillStep, split_attention
 
 needs_kernels = pytest.mark.skipif(kernels.GEMV.load() is None, reason="engine/kernels unavailable (no AVX2)")
 BF16 = torch.bfloat16
-
-
-def _resident_mib() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
 def hf_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,12 +171,12 @@ def test_prepacked_weights_replace_the_dense_ones(monkeypatch):
     values, nbytes = weights(lm.model)
     parameters = sum(p.numel() for p in lm.model.parameters())
 
-    before = _resident_mib()
+    before = rss_bytes()
     done = prepack_full_weights(lm.model)
     assert done["matrices"] == 7 * len(lm.model.model.layers)
     if sys.platform.startswith("linux"):  # the dense weights were read from a mapped file: their pages go back
         assert done["released"] >= 0.95 * done["bytes"]
-        assert _resident_mib() - before < 0.5 * done["bytes"] / 2**20  # without it: + the packed copies' bytes
+        assert rss_bytes() - before < 0.5 * done["bytes"]  # without it: + the packed copies' bytes
     assert weights(lm.model) == (values, nbytes)
     assert sum(p.numel() for p in lm.model.parameters()) == parameters - done["bytes"] // 2
     assert "weight" not in up._parameters and torch.equal(up.weight, original)
