@@ -137,10 +137,11 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 # ---- running the modes on one case ------------------------------------------------------------------------------
 class Evaluator:
     def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
-                 margins: str = "extractive", context_limit: int | None = None, reads: Path | None = None):
+                 margins: str = "extractive", context_limit: int | None = None, reads: Path | None = None,
+                 copy_choice: str = "opening"):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
-        self.margins = margins
+        self.margins, self.copy_choice = margins, copy_choice
         self.context_limit = context_limit
         self.reads = reads
 
@@ -152,7 +153,8 @@ class Evaluator:
         tok = self.engine.lm.tokenizer
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
-                        answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit)
+                        answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit,
+                        copy_choice=self.copy_choice)
 
     def wim_read(self, case: Case, base, notes_only: dict | None = None) -> tuple[object, dict]:
         """(reading, its record): read now, or taken up from --reads where an earlier run kept it, or (given
@@ -333,6 +335,8 @@ def fingerprint(engine, args) -> str:
     from .baselines import MARGINS_ONLY_PROMPT
     parts = [engine.lm.name, str(engine.lm.dtype), args.margin_tokens, args.segments, args.max_segment_tokens,
              *([args.margins] if args.margins != "abstractive" else []),
+             # copies chosen by their openings (the records made token by token keep their fingerprint)
+             *(["copy=opening"] if args.margins == "extractive" and args.copy_choice == "opening" else []),
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
              *(["attention=fused"] if attention_kernel() == "fused" else []),
@@ -503,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
     parser.add_argument("--margins", default="extractive", choices=("extractive", "scored", "abstractive"),
                         help="how margins are written (engine Settings.margins)")
+    parser.add_argument("--copy-choice", default="opening", choices=("opening", "token"),
+                        help="how a copied note chooses its sentences (engine Settings.copy_choice)")
     parser.add_argument("--context-limit", type=int, default=None,
                         help="tokens the cache may hold (default: the model's window); a smaller limit reads a "
                              "long text in several windows at a fraction of the cost of a window that long")
@@ -579,9 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit, args.reads)
+                          args.context_limit, args.reads, args.copy_choice)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
-            "segments": args.segments, "margin_tokens": args.margin_tokens,
+            "segments": args.segments, "margin_tokens": args.margin_tokens, "copy_choice": args.copy_choice,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel(),

@@ -27,6 +27,7 @@ class RowScratch:
         self.runner, self.cache, self.stop = batch.runner, batch.cache, batch.stop
         self.slots: list[int] = []          # cache slots holding this row's tokens
         self.request: list[int] | None = None
+        self.scoring: tuple[list[list[int]], torch.Tensor] | None = None   # rows to score, the logits before them
         self.result: torch.Tensor | None = None
         self.abort = False
         self.resume, self.parked = threading.Event(), threading.Event()
@@ -42,6 +43,17 @@ class RowScratch:
     def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
         """Park until the coordinator has fed `ids` (with every other row's request); their log-probabilities."""
         self.request = list(ids)
+        self.parked.set()
+        self.resume.wait()
+        self.resume.clear()
+        if self.abort:
+            raise Stopped()
+        return self.result
+
+    def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
+        """As margins.Scratch.score_rows: park until the coordinator has scored `rows` (with every other row's
+        rows to score, in as few passes as the room allows); their log-probabilities."""
+        self.scoring = (rows, first)
         self.parked.set()
         self.resume.wait()
         self.resume.clear()
@@ -116,14 +128,59 @@ class BatchScratch:
         row.parked.wait()
 
     def _feed_all(self, rows: list[RowScratch]) -> None:
-        """Every row's request, in as few masked passes as PASS_TOKENS allows (one, for single tokens)."""
+        """Every row's request, in as few masked passes as PASS_TOKENS allows (one, for single tokens); then
+        every row's rows to score."""
         group: list[RowScratch] = []
-        for row in rows:
+        for row in (r for r in rows if r.request is not None):
             if group and sum(len(r.request) for r in group) + len(row.request) > PASS_TOKENS:
                 self._pass(group)
                 group = []
             group.append(row)
-        self._pass(group)
+        if group:
+            self._pass(group)
+        scoring = [row for row in rows if row.scoring is not None]
+        if scoring:
+            self._score(scoring)
+
+    def _score(self, rows: list[RowScratch]) -> None:
+        """Each row's rows to score (margins.score_continuations, for many scratches at once): every one fed but
+        its last token, masked to see its scratch row's view and its own earlier tokens, in passes of at most
+        PASS_TOKENS or the room left, cut off again after each pass."""
+        base = self.cache.length
+        room = min(PASS_TOKENS, getattr(self.cache, "capacity", base + PASS_TOKENS) - base)
+        results = {id(row): [float(torch.log_softmax(row.scoring[1].float(), -1)[r[0]]) for r in row.scoring[0]]
+                   for row in rows}
+        items = [(row, k) for row in rows for k, r in enumerate(row.scoring[0]) if len(r) > 1]
+        while items:
+            batch, size = [], 0
+            while items and (not batch or size + len(items[0][0].scoring[0][items[0][1]]) - 1 <= room):
+                batch.append(items.pop(0))
+                size += len(batch[-1][0].scoring[0][batch[-1][1]]) - 1
+            fed = [row.scoring[0][k][:-1] for row, k in batch]
+            ids = [t for f in fed for t in f]
+            positions = [row.position + j for (row, _), f in zip(batch, fed) for j in range(len(f))]
+            q = len(ids)
+            mask = torch.full((q, base + q), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.runner.device)
+            start = 0
+            for (row, _), f in zip(batch, fed):
+                _let_see(mask, row, start, len(f), base)
+                start += len(f)
+            t = time.perf_counter()
+            try:
+                logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=mask[None, None],
+                                             positions=positions, all_logits=True)
+            finally:
+                self.cache.truncate(base)
+            self.runner.meter.prefill_tokens += q
+            self.runner.meter.prefill_seconds += time.perf_counter() - t
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            start = 0
+            for (row, k), f in zip(batch, fed):
+                r = row.scoring[0][k]
+                results[id(row)][k] += sum(float(lp[start + j - 1, r[j]]) for j in range(1, len(r)))
+                start += len(f)
+        for row in rows:
+            row.result, row.scoring = results[id(row)], None
 
     def _pass(self, rows: list[RowScratch]) -> None:
         t = time.perf_counter()
@@ -134,14 +191,8 @@ class BatchScratch:
         mask = torch.full((q, base + q), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.runner.device)
         start = 0
         for row in rows:
-            n = len(row.request)
-            block = slice(start, start + n)
-            mask[block, :row.visible] = 0
-            if row.slots:
-                mask[block, torch.tensor(row.slots, device=mask.device)] = 0
-            causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
-            mask[block, base + start:base + start + n].masked_fill_(causal, 0)
-            start += n
+            _let_see(mask, row, start, len(row.request), base)
+            start += len(row.request)
         counts = [len(row.request) for row in rows]
         ends = [sum(counts[:i + 1]) - 1 for i in range(len(rows))]  # each row's last token: its next-token logits
         logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=mask[None, None],
@@ -162,3 +213,14 @@ class BatchScratch:
             meter.prefill_seconds += seconds
         else:
             meter.decode_seconds += seconds
+
+
+def _let_see(mask: torch.Tensor, row: RowScratch, start: int, n: int, base: int) -> None:
+    """Open `mask` for the n tokens fed from `start` in a pass after `base`: they see the document up to their
+    row's boundary, the row's scratch tokens, and their own earlier tokens."""
+    block = slice(start, start + n)
+    mask[block, :row.visible] = 0
+    if row.slots:
+        mask[block, torch.tensor(row.slots, device=mask.device)] = 0
+    causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    mask[block, base + start:base + start + n].masked_fill_(causal, 0)

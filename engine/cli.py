@@ -22,7 +22,7 @@ from .answering import ANSWER_STYLES
 from .classify import CLASSIFIERS
 from .documents import IngestError, load_document
 from .group_notes import OVERFLOWS
-from .margins import MARGIN_STYLES
+from .margins import COPY_CHOICES, MARGIN_STYLES
 from .model import DECODE_WEIGHTS, DECODE_WEIGHTS_HELP, default_model
 from .prefill_int8 import PREFILL_WEIGHTS, PREFILL_WEIGHTS_HELP
 from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--margins", choices=MARGIN_STYLES, default=Settings.margins,
                       help="extractive: sentences copied from the text (constrained); scored: the same, chosen by "
                            "scoring every sentence; abstractive: free-form notes")
+    read.add_argument("--copy-choice", choices=COPY_CHOICES, default=Settings.copy_choice,
+                      help="extractive: opening: each sentence's first tokens scored, the likeliest copied; "
+                           "token: chosen token by token")
     read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier,
                       help="margin: relevance from the note itself (no second prompt); llm: the model says yes/no; "
                            "embedding: MiniLM similarity; combined: MiniLM, or a note sure of itself; none: keep "
@@ -200,6 +203,7 @@ def cmd_read(args) -> int:
     text, query, target = doc.text, doc.query, doc.target
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
+                        copy_choice=args.copy_choice,
                         temperature=args.temperature, context_limit=args.context_limit,
                         window=args.window, overflow=args.overflow, answer_style=args.answer_style,
                         # Follow-ups here answer from the last window and the margins (no remargin), so

@@ -179,7 +179,7 @@ class GroupWriting:
         s, lm = self.settings, self.engine.lm
         pieces = [p for a, b in spans for p in pieces_of(self.doc.text, a, b, lm.tokenizer, s.margin_tokens)]
         writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
-                            s.copy_threshold)
+                            s.copy_threshold, s.copy_choice)
         scratch = (self.runner.scratch(cache, doc_end, stop) if hasattr(self.runner, "scratch")
                    else Scratch(self.runner, cache, doc_end, None, stop))
         pieces_out = writer.write(scratch, ids, pieces)

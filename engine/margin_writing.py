@@ -14,8 +14,11 @@ from typing import Callable, Iterator
 from .batch_scratch import BatchScratch
 from .classify import Classifier
 from .events import Event, Margin, MarginToken
-from .margins import Abstractive, Extractive, Note, Scored, Scratch, pieces_of
+from .margins import OPENING_TOKENS, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .segment import Segment
+
+
+SCORING_ROOM = 8 * OPENING_TOKENS
 
 
 @dataclass
@@ -51,7 +54,7 @@ class MarginWriting:
         pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
         if s.margins == "extractive":
             writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
-                                s.copy_threshold)
+                                s.copy_threshold, s.copy_choice)
         elif s.margins == "scored":
             writer = Scored(lm.tokenizer, s.margin_tokens, s.copy_threshold)
         else:
@@ -115,7 +118,8 @@ class MarginWriting:
         # A row holds its instruction and at most its note (an extractive step may feed a few forced tokens
         # past the budget's last choice: the slack).
         per_row = len(instruction) + s.margin_tokens + 16
-        size = max(1, (limit - doc_end) // per_row)
+        # Room left after the rows for a writer's scoring passes (a copy chosen by its opening), at least a few rows.
+        size = max(1, (limit - doc_end - SCORING_ROOM) // per_row)
         for k in range(0, len(segments), size):
             group = segments[k:k + size]
             t = time.perf_counter()

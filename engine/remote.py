@@ -377,7 +377,8 @@ class RemoteRunner:
 class ServerScratch:
     """engine/margins.py's Scratch over a server: fed ids are laid down in the token list, and the log-probability
     of each token the margin writer may choose next comes from one `max_tokens=1` request (a constrained copy
-    costs a request where its trie branches, none for the forced run). Other tokens get -inf."""
+    costs a request where its trie branches, none for the forced run). Other tokens get -inf. It scores no rows:
+    a copy is chosen token by token here, and scored margins need the local engine."""
     visible = None
 
     def __init__(self, runner: RemoteRunner, cache: TokenListCache, doc_end: int, stop):
@@ -393,5 +394,3 @@ class ServerScratch:
                 out[token] = math.log(p)
         return out
 
-    def score_rows(self, rows, first):
-        raise RuntimeError("scored margins need the local engine; use --margins extractive with a server")

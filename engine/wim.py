@@ -32,7 +32,7 @@ from .events import Event, Notice, SegmentRead, Stats, WindowStart
 from .generate import Meter, Stopped, peak_memory_bytes
 from .group_notes import OVERFLOWS, GroupWriting
 from .margin_writing import MarginNote, MarginWriting
-from .margins import MARGIN_STYLES
+from .margins import COPY_CHOICES, MARGIN_STYLES
 from .model import LoadedModel, load_model, release_freed_memory
 from .prompts import PromptLayout, fit_notes
 from .segment import Segment, segment
@@ -62,6 +62,9 @@ class Settings:
     classifier: str = "combined"
     # An extractive note copies only where P(start a copy) / (P(copy) + P(NONE)) at its first step reaches this.
     copy_threshold: float = 0.5
+    # Which sentence an extractive note copies: opening (every candidate's first tokens scored, the likeliest
+    # copied) | token (token by token through the sentences' trie: drawn to common first words). docs/margins.md.
+    copy_choice: str = "opening"
     embedding_threshold: float = 0.3
     rag_top_k: int = 3
     temperature: float = 0.0           # 0: greedy
@@ -96,6 +99,8 @@ class Settings:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOWS)}")
         if self.margins not in MARGIN_STYLES:
             raise ValueError(f"margins must be one of {', '.join(MARGIN_STYLES)}")
+        if self.copy_choice not in COPY_CHOICES:
+            raise ValueError(f"copy_choice must be one of {', '.join(COPY_CHOICES)}")
         if self.window_cache_budget_bytes < 0:
             raise ValueError("window_cache_budget_bytes must be ≥ 0")
         if self.segment_tokens < 32 or self.margin_tokens < 1 or self.answer_tokens < 1:

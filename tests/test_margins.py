@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from engine import Margin, MarginToken, Settings, Stats
 from engine.generate import REPEAT_NGRAM, DecodeResult, Runner
-from engine.margins import Extractive, pieces_of
+from engine.margins import OPENING_TOKENS, Extractive, pieces_of
 from tests.conftest import shared
 
 BOOKS = ["pg1342.txt", "pg1661.txt", "pg84.txt", "pg11.txt", "pg1952_yellow_wallpaper_with_pg_header.txt"]
@@ -59,7 +60,7 @@ def test_babilong_margins_are_copied_from_their_segment(engine, name):
     data = json.loads(shared("babilong", name).read_text())
     # The notes-only answer: past the window, SmolLM2's look-up answer copies the re-read passages on to its token
     # cap (babilong_16k: 24 tokens of the song's text); the look-up answer has its own tests (test_engine_windows).
-    reading = engine.open(data["context"], Settings(segment_tokens=1024, margin_tokens=64, answer_tokens=24,
+    reading = engine.open(data["context"], Settings(segment_tokens=1024, margin_tokens=64, answer_tokens=64,
                                                     answer_style="notes"))
     events = list(reading.read(data["query"])) + list(reading.answer(data["query"]))
     margins = [e for e in events if isinstance(e, Margin)]
@@ -239,6 +240,82 @@ def test_extractive_writer_never_copies_outside_the_pieces(engine):
         if note.text:
             assert note.text == " ".join(text[a:b] for a, b in note.spans)
             assert all(s in [p.span for p in pieces] for s in note.spans)
+
+
+def _run_writer(writer, scratch, instruction, pieces):
+    gen = writer.write(scratch, instruction, pieces)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def test_a_copy_is_chosen_by_its_opening_not_its_first_token(engine):
+    """A model that begins any answer with "The" puts most of its first step there; token by token the note
+    must then copy a sentence that begins with "The". Chosen by opening, the sentence whose first tokens the
+    model finds likeliest is copied whole, and the note goes on only where another copy outweighs ending."""
+    import torch
+    tok = engine.lm.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    text = "The table was a large one. Mary went back to the hallway. The tea was cold."
+    pieces = pieces_of(text, 0, len(text), tok, 32)
+    the, mary = pieces[0].ids[0], pieces[1].ids[0]
+    none = tok.encode("NONE", add_special_tokens=False)[0]
+
+    class ServerScratch:
+        """First step: "The" 0.6, "Mary" 0.3, NONE 0.1; after a copy, ending 0.9. No row scoring."""
+        def __init__(self):
+            self.fed = []
+            self.runner = SimpleNamespace(meter=SimpleNamespace(decode_tokens=0))
+
+        def feed(self, ids, candidates=None):
+            self.fed.append(list(ids))
+            probs = torch.full((len(tok),), 1e-9)
+            if len(self.fed) == 1:
+                probs[the], probs[mary], probs[none] = 0.6, 0.3, 0.1
+            else:
+                probs[end] = 0.9
+            return torch.log(probs / probs.sum())
+
+    class LocalScratch(ServerScratch):
+        """The same, and a row that opens with Mary's sentence scores best."""
+        def __init__(self):
+            super().__init__()
+            self.scored = []
+
+        def score_rows(self, rows, first):
+            self.scored.append(rows)
+            return [-0.1 if row[0] == mary else -3.0 for row in rows]
+
+    local = LocalScratch()
+    note = _run_writer(Extractive(tok, {end}, 64, choice="opening"), local, [1, 2, 3], pieces)
+    assert note.text == "Mary went back to the hallway." and note.ending == "end"
+    assert len(local.scored) == 1 and len(local.scored[0]) == 3  # every sentence's opening, in one call
+    assert all(len(row) <= OPENING_TOKENS for row in local.scored[0])
+    assert local.fed[1] == list(pieces[1].ids)  # the chosen sentence fed whole, no step inside it
+    by_token = _run_writer(Extractive(tok, {end}, 64, choice="token"), LocalScratch(), [1, 2, 3], pieces)
+    assert by_token.text.startswith("The ")
+    # Going on: where another copy's opening is likelier than ending, the note copies it too.
+    class GoingOn(LocalScratch):
+        def feed(self, ids, candidates=None):
+            if not self.fed:
+                return super().feed(ids, candidates)
+            self.fed.append(list(ids))
+            probs = torch.full((len(tok),), 1e-9)
+            probs[end], probs[pieces[2].ids_after[0]] = 0.3, 0.6  # " The"
+            return torch.log(probs / probs.sum())
+
+        def score_rows(self, rows, first):
+            self.scored.append(rows)
+            return [-0.1 if row[0] == mary else -0.5 if tok.decode(row).startswith(" The tea") else -3.0
+                    for row in rows]
+
+    going = GoingOn()
+    note = _run_writer(Extractive(tok, {end}, 64), going, [1, 2, 3], pieces)
+    assert note.text.startswith("Mary went back to the hallway. The tea was cold.") and len(going.scored) >= 2
+    # A scratch that cannot score rows (a server's) chooses token by token.
+    assert _run_writer(Extractive(tok, {end}, 64), ServerScratch(), [1, 2, 3], pieces).text.startswith("The ")
 
 
 def written_through_ending(tokenizer, text: str) -> DecodeResult:
