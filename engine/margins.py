@@ -8,7 +8,7 @@
   Which sentence to copy is chosen by its opening (`choice="opening"`, the default): the first OPENING_TOKENS
   tokens of every candidate scored as continuations in one masked pass, the likeliest copied whole. Chosen token
   by token (`choice="token"`), a 1.5B model put its first token on "The" (how it begins an answer of its own)
-  and then had to copy whichever sentence began with "The": 380 of 478 notes at 16k did.
+  and then had to copy whichever sentence began with "The": 380 of 510 notes at 16k did.
 - `scored`: the same kind of note, chosen another way: every sentence of the segment is a scratch row after the
   instruction, all scored in masked forward passes (length-normalised log-probability); the best ones that
   beat the "nothing" marker are copied. No token-by-token choice at all, but it prefills the segment again.
