@@ -15,6 +15,7 @@ import time
 import torch
 
 from .generate import Stopped
+from .margins import score_continuations
 
 PASS_TOKENS = 512  # tokens per masked pass (the instructions' pass): bounds its [tokens x context] mask
 
@@ -43,17 +44,16 @@ class RowScratch:
     def feed(self, ids: list[int], candidates: set[int] | None = None) -> torch.Tensor:
         """Park until the coordinator has fed `ids` (with every other row's request); their log-probabilities."""
         self.request = list(ids)
-        self.parked.set()
-        self.resume.wait()
-        self.resume.clear()
-        if self.abort:
-            raise Stopped()
-        return self.result
+        return self._wait()
 
     def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
         """As margins.Scratch.score_rows: park until the coordinator has scored `rows` (with every other row's
         rows to score, in as few passes as the room allows); their log-probabilities."""
         self.scoring = (rows, first)
+        return self._wait()
+
+    def _wait(self):
+        """Park until the coordinator has served this row's request; its result."""
         self.parked.set()
         self.resume.wait()
         self.resume.clear()
@@ -143,44 +143,26 @@ class BatchScratch:
             self._score(scoring)
 
     def _score(self, rows: list[RowScratch]) -> None:
-        """Each row's rows to score (margins.score_continuations, for many scratches at once): every one fed but
-        its last token, masked to see its scratch row's view and its own earlier tokens, in passes of at most
-        PASS_TOKENS or the room left, cut off again after each pass."""
-        base = self.cache.length
-        room = min(PASS_TOKENS, getattr(self.cache, "capacity", base + PASS_TOKENS) - base)
-        results = {id(row): [float(torch.log_softmax(row.scoring[1].float(), -1)[r[0]]) for r in row.scoring[0]]
-                   for row in rows}
-        items = [(row, k) for row in rows for k, r in enumerate(row.scoring[0]) if len(r) > 1]
-        while items:
-            batch, size = [], 0
-            while items and (not batch or size + len(items[0][0].scoring[0][items[0][1]]) - 1 <= room):
-                batch.append(items.pop(0))
-                size += len(batch[-1][0].scoring[0][batch[-1][1]]) - 1
-            fed = [row.scoring[0][k][:-1] for row, k in batch]
-            ids = [t for f in fed for t in f]
-            positions = [row.position + j for (row, _), f in zip(batch, fed) for j in range(len(f))]
-            q = len(ids)
+        """Every row's rows to score, together (margins.score_continuations), each masked to see its scratch
+        row's view and its own earlier tokens, in passes of at most PASS_TOKENS."""
+        items = [(r, row.scoring[1], row.position) for row in rows for r in row.scoring[0]]
+        owners = [row for row in rows for _ in row.scoring[0]]
+
+        def mask_for(fed: list[tuple[int, int]]) -> torch.Tensor:
+            base, q = self.cache.length, sum(n for _, n in fed)
             mask = torch.full((q, base + q), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.runner.device)
             start = 0
-            for (row, _), f in zip(batch, fed):
-                _let_see(mask, row, start, len(f), base)
-                start += len(f)
-            t = time.perf_counter()
-            try:
-                logits = self.runner.forward(ids, self.cache, self.stop, attention_mask=mask[None, None],
-                                             positions=positions, all_logits=True)
-            finally:
-                self.cache.truncate(base)
-            self.runner.meter.prefill_tokens += q
-            self.runner.meter.prefill_seconds += time.perf_counter() - t
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            start = 0
-            for (row, k), f in zip(batch, fed):
-                r = row.scoring[0][k]
-                results[id(row)][k] += sum(float(lp[start + j - 1, r[j]]) for j in range(1, len(r)))
-                start += len(f)
+            for i, n in fed:
+                _let_see(mask, owners[i], start, n, base)
+                start += n
+            return mask[None, None]
+
+        scores = score_continuations(self.runner, self.cache, self.stop, items, mask_for, PASS_TOKENS)
+        start = 0
         for row in rows:
-            row.result, row.scoring = results[id(row)], None
+            count = len(row.scoring[0])
+            row.result, row.scoring = scores[start:start + count], None
+            start += count
 
     def _pass(self, rows: list[RowScratch]) -> None:
         t = time.perf_counter()

@@ -126,32 +126,32 @@ class Scratch:
     def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
         """The log-probability of each row of tokens as the continuation of the scratch so far (`first`: the
         log-probabilities after it)."""
-        return score_continuations(self.runner, self.cache, self.stop, rows, first, self.position, self._mask)
+        return score_continuations(self.runner, self.cache, self.stop, [(row, first, self.position) for row in rows],
+                                   lambda fed: self._mask([n for _, n in fed]))
 
 
-def score_continuations(runner, cache, stop, rows: list[list[int]], first: torch.Tensor, position: int,
-                        mask_for) -> list[float]:
-    """The log-probability of each row of tokens as a continuation of a scratch whose next position is
-    `position` (`first`: the log-probabilities after it). Each row but its last token is fed (the last one's
-    logits predict nothing we score) in masked passes of up to ROW_CHUNK tokens (`mask_for(row lengths)`: each
-    row sees what the scratch sees and its own earlier tokens), and cut off again."""
+def score_continuations(runner, cache, stop, items: list[tuple[list[int], torch.Tensor, int]], mask_for,
+                        room: int = ROW_CHUNK) -> list[float]:
+    """The log-probability of each item's row of tokens as a continuation of its scratch. An item: (row, the
+    log-probabilities before it, the position its first token takes). Each row but its last token is fed (the
+    last one's logits predict nothing scored) in masked passes of up to `room` tokens or the room the cache has
+    left (`mask_for([(item index, tokens fed)])`: each row sees what its scratch sees and its own earlier
+    tokens), and cut off again."""
     base = cache.length
     # A preallocated cache has the reading's margin reserve left at least (engine/wim.py): passes fit in it.
-    chunk = min(ROW_CHUNK, getattr(cache, "capacity", base + ROW_CHUNK) - base)
-    first_lp = torch.log_softmax(first.float(), dim=-1)
-    scores = [float(first_lp[row[0]]) for row in rows]
-    order = [i for i in range(len(rows)) if len(rows[i]) > 1]
+    chunk = min(room, getattr(cache, "capacity", base + room) - base)
+    scores = [float(torch.log_softmax(first.float(), dim=-1)[row[0]]) for row, first, _ in items]
+    order = [i for i, (row, _, _) in enumerate(items) if len(row) > 1]
     while order:
         batch, size = [], 0
-        while order and (not batch or size + len(rows[order[0]]) - 1 <= chunk):
+        while order and (not batch or size + len(items[order[0]][0]) - 1 <= chunk):
             batch.append(order.pop(0))
-            size += len(rows[batch[-1]]) - 1
-        fed = [rows[i][:-1] for i in batch]
-        ids = [t for row in fed for t in row]
-        positions = [position + j for row in fed for j in range(len(row))]
+            size += len(items[batch[-1]][0]) - 1
+        ids = [t for i in batch for t in items[i][0][:-1]]
+        positions = [items[i][2] + j for i in batch for j in range(len(items[i][0]) - 1)]
         t = time.perf_counter()
         try:
-            logits = runner.forward(ids, cache, stop, attention_mask=mask_for([len(row) for row in fed]),
+            logits = runner.forward(ids, cache, stop, attention_mask=mask_for([(i, len(items[i][0]) - 1) for i in batch]),
                                     positions=positions, all_logits=True)
         finally:
             cache.truncate(base)
@@ -159,10 +159,10 @@ def score_continuations(runner, cache, stop, rows: list[list[int]], first: torch
         runner.meter.prefill_seconds += time.perf_counter() - t
         lp = torch.log_softmax(logits.float(), dim=-1)
         start = 0
-        for i, row in zip(batch, fed):
-            for j in range(1, len(rows[i])):
-                scores[i] += float(lp[start + j - 1, rows[i][j]])
-            start += len(row)
+        for i in batch:
+            row = items[i][0]
+            scores[i] += sum(float(lp[start + j - 1, row[j]]) for j in range(1, len(row)))
+            start += len(row) - 1
     return scores
 
 
