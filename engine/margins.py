@@ -126,7 +126,8 @@ class Scratch:
     def score_rows(self, rows: list[list[int]], first: torch.Tensor) -> list[float]:
         """The log-probability of each row of tokens as the continuation of the scratch so far (`first`: the
         log-probabilities after it)."""
-        return score_continuations(self.runner, self.cache, self.stop, [(row, first, self.position) for row in rows],
+        items = [(row, first, self.position) for row in rows]
+        return score_continuations(self.runner, self.cache, self.stop, items,
                                    lambda fed: self._mask([n for _, n in fed]))
 
 
@@ -151,8 +152,8 @@ def score_continuations(runner, cache, stop, items: list[tuple[list[int], torch.
         positions = [items[i][2] + j for i in batch for j in range(len(items[i][0]) - 1)]
         t = time.perf_counter()
         try:
-            logits = runner.forward(ids, cache, stop, attention_mask=mask_for([(i, len(items[i][0]) - 1) for i in batch]),
-                                    positions=positions, all_logits=True)
+            mask = mask_for([(i, len(items[i][0]) - 1) for i in batch])
+            logits = runner.forward(ids, cache, stop, attention_mask=mask, positions=positions, all_logits=True)
         finally:
             cache.truncate(base)
         runner.meter.prefill_tokens += len(ids)
@@ -382,6 +383,8 @@ class Extractive:
         opening = [list((pieces[i].ids_after if after else pieces[i].ids)[:OPENING_TOKENS]) for i in candidates]
         firsts = torch.tensor([float(logits[row[0]]) for row in opening])
         keep = [k for k in range(len(candidates)) if firsts[k] >= firsts.max() + math.log(OPENING_FLOOR)]
+        if len(keep) == 1 and not after:  # the only choice, and no end to weigh it against: no pass
+            return candidates[keep[0]], float(firsts[keep[0]])
         scores = torch.tensor(scratch.score_rows([opening[k] for k in keep], logits))
         k = pick_token(scores, self.temperature, self.generator)
         return candidates[keep[k]], float(scores[k])
