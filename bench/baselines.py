@@ -204,7 +204,15 @@ class _ReferenceRunner:
         return cache
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    def forward(self, ids: list[int], cache, stop=None, attention_mask: torch.Tensor | None = None,
+                positions: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
+        cache = getattr(cache, "dynamic", cache)
+        if all_logits:  # rows scored after a note's scratch (margins.score_continuations)
+            hidden = self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                                  attention_mask=attention_mask,
+                                  position_ids=torch.tensor([positions], device=self.device),
+                                  use_cache=True, **{self.cache_keyword: cache}).last_hidden_state
+            return self.lm_head(hidden)[0].float()
         past = cache.get_seq_length()
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         mask = torch.ones(1, past + len(ids), dtype=torch.long, device=self.device)
@@ -250,12 +258,32 @@ class _ReferenceRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
 
 
+class _Cropped:
+    """A DynamicCache as engine/margins.py's scoring uses a cache: its length, and cut back by cropping."""
+
+    def __init__(self, dynamic: DynamicCache):
+        self.dynamic = dynamic
+
+    @property
+    def length(self) -> int:
+        return self.dynamic.get_seq_length()
+
+    def get_seq_length(self) -> int:
+        return self.dynamic.get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        extra = self.dynamic.get_seq_length() - length
+        if extra > 0:
+            self.dynamic.crop(-extra)  # transformers 5 crops by a count from the end
+
+
 class _ReferenceScratch(Scratch):
     """engine/margins.py's Scratch over the reference's DynamicCache, for the copying writer: the note's tokens
-    are fed after the document with the reference's forward pass (and metered as Scratch meters them)."""
+    are fed after the document with the reference's forward pass (and metered as Scratch meters them); rows a
+    copy's choice scores are fed in the engine's masked passes and cropped off again."""
 
     def __init__(self, ref: _ReferenceRunner, cache: DynamicCache, fed: tuple[list[int], torch.Tensor]):
-        super().__init__(ref, cache, cache.get_seq_length() - len(fed[0]), None, None, fed)
+        super().__init__(ref, _Cropped(cache), cache.get_seq_length() - len(fed[0]), None, None, fed)
 
     @property
     def fed(self) -> int:
