@@ -141,7 +141,12 @@ def score_continuations(runner, cache, stop, items: list[tuple[list[int], torch.
     base = cache.length
     # A preallocated cache has the reading's margin reserve left at least (engine/wim.py): passes fit in it.
     chunk = min(room, getattr(cache, "capacity", base + room) - base)
-    scores = [float(torch.log_softmax(first.float(), dim=-1)[row[0]]) for row, first, _ in items]
+    normalised: dict[int, torch.Tensor] = {}  # once per scratch, not per row: a scratch's rows share its logits
+    scores = []
+    for row, first, _ in items:
+        if id(first) not in normalised:
+            normalised[id(first)] = torch.log_softmax(first.float(), dim=-1)
+        scores.append(float(normalised[id(first)][row[0]]))
     order = [i for i, (row, _, _) in enumerate(items) if len(row) > 1]
     while order:
         batch, size = [], 0
