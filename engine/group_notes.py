@@ -177,7 +177,8 @@ class GroupWriting:
     def _copied(self, ids: list[int], spans: list[tuple[int, int]], cache, doc_end: int, stop
                 ) -> tuple[str, tuple, str]:
         s, lm = self.settings, self.engine.lm
-        pieces = [p for a, b in spans for p in pieces_of(self.doc.text, a, b, lm.tokenizer, s.margin_tokens)]
+        pieces = [p for a, b in spans
+                  for p in pieces_of(self.doc.text, a, b, lm.tokenizer, s.margin_tokens, self.doc.running)]
         writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
                             s.copy_threshold, s.copy_choice)
         scratch = (self.runner.scratch(cache, doc_end, stop) if hasattr(self.runner, "scratch")

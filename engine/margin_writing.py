@@ -51,7 +51,8 @@ class MarginWriting:
         """(writer, pieces): the settings' margin writer, and the sentences of `seg` it may copy."""
         s = self.settings
         lm = self.engine.lm
-        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens)
+        pieces = pieces_of(self.doc.text, seg.char_start, seg.char_end, lm.tokenizer, s.margin_tokens,
+                           self.doc.running)
         if s.margins == "extractive":
             writer = Extractive(lm.tokenizer, self.runner.stop_ids, s.margin_tokens, s.temperature, self.generator,
                                 s.copy_threshold, s.copy_choice)

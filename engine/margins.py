@@ -182,15 +182,20 @@ class Piece:
     ids_after: tuple[int, ...]
 
 
-def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int) -> list[Piece]:
+def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int,
+              skip: tuple[tuple[int, int], ...] = ()) -> list[Piece]:
     """The segment text[start:end] cut into sentences of at most `max_tokens` tokens (a longer one is cut at
-    line breaks, then between words), stripped of surrounding white space; only pieces with a word in them."""
+    line breaks, then between words), stripped of surrounding white space; only pieces with a word in them.
+    `skip`: spans never copied (a paginated text's running lines), cut out of the sentences they sit in."""
     cuts = {m.end() for m in _SENTENCE_END.finditer(text, start, end)}
     found = [m.span() for m in _LABEL.finditer(text, start, end)]
     labels = {b for _, b in found}
-    cuts |= labels | {a for a, _ in found}
+    skipped = [(a, b) for a, b in skip if a < end and b > start]
+    cuts |= labels | {a for a, _ in found} | {x for span in skipped for x in span}
     edges = [start, *sorted(c for c in cuts if start < c < end), end]
-    spans = [(a, b) for a, b in zip(edges, edges[1:]) if b not in labels]  # the labels themselves: not copied
+    spans = [(a, b) for a, b in zip(edges, edges[1:])
+             if b not in labels  # the labels themselves: not copied
+             and not any(x <= a and b <= y for x, y in skipped)]
     out: list[Piece] = []
 
     def add(a: int, b: int, depth: int = 0) -> None:

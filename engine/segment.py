@@ -11,6 +11,8 @@ import bisect
 import re
 from dataclasses import dataclass
 
+from .running_lines import running_lines
+
 # A sentence ends at . ! ? … (possibly followed by closing quotes/brackets), or at a paragraph break.
 _SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s)|\n[ \t]*\n")
 
@@ -34,6 +36,7 @@ class SegmentedText:
     text: str
     token_ids: list[int]
     segments: list[Segment]
+    running: tuple[tuple[int, int], ...] = ()  # spans of the pages' running lines (engine/running_lines.py)
 
     def segment_ids(self, segment: Segment) -> list[int]:
         return self.token_ids[segment.token_start:segment.token_end]
@@ -110,4 +113,4 @@ def segment(text: str, tokenizer, target_tokens: int, page_starts: list[int] | N
             last = max(first, c0 + len(body.rstrip()) - 1)
             pages = (bisect.bisect_right(page_starts, first), bisect.bisect_right(page_starts, last))
         segments.append(Segment(index, c0, c1, t0, t1, pages))
-    return SegmentedText(text, ids, segments)
+    return SegmentedText(text, ids, segments, tuple(running_lines(text, page_starts)))

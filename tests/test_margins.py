@@ -360,3 +360,19 @@ def test_citations_do_not_count_as_a_loop(engine):
     # A bracket that is not a citation is text like any other.
     brackets = written("the list [a, b, c, d] and again [a, b, c, d]")
     assert brackets.reason == "repeat" and brackets.text.count("a, b, c") == 1
+
+
+def test_a_note_never_copies_a_running_line(engine):
+    """The Federal Register's print codes close every page (one glued to a body sentence on page 1): the
+    sentences a note may copy leave them out, and keep the body text around them."""
+    from engine.documents import load_document
+    from engine.segment import segment
+    pdf = load_document(shared("pdf", "federal-register-2020-17221.pdf"))
+    doc = segment(pdf.text, engine.lm.tokenizer, 512, pdf.page_starts)
+    pieces = pieces_of(doc.text, 0, pdf.page_starts[2], engine.lm.tokenizer, 96, doc.running)
+    texts = [p.text for p in pieces]
+    assert not any("VerDate" in t or "DSKJLSW7X2PROD" in t or "Federal Register / Vol." in t for t in texts)
+    assert any(t.endswith("accident after takeoff from Soekarno-") for t in texts)
+    assert any("must receive comments" in t for t in texts)
+    every = [p.text for p in pieces_of(doc.text, 0, pdf.page_starts[2], engine.lm.tokenizer, 96)]
+    assert any("VerDate" in t for t in every)  # without the running lines given, they would be copyable
