@@ -268,9 +268,6 @@ class _Cropped:
     def length(self) -> int:
         return self.dynamic.get_seq_length()
 
-    def get_seq_length(self) -> int:
-        return self.dynamic.get_seq_length()
-
     def truncate(self, length: int) -> None:
         extra = self.dynamic.get_seq_length() - length
         if extra > 0:
@@ -284,10 +281,6 @@ class _ReferenceScratch(Scratch):
 
     def __init__(self, ref: _ReferenceRunner, cache: DynamicCache, fed: tuple[list[int], torch.Tensor]):
         super().__init__(ref, _Cropped(cache), cache.get_seq_length() - len(fed[0]), None, None, fed)
-
-    @property
-    def fed(self) -> int:
-        return self.cache.get_seq_length() - self.doc_end
 
     def _pass(self, ids: list[int]) -> torch.Tensor:
         return self.runner.forward(ids, self.cache)
