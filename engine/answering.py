@@ -43,10 +43,12 @@ ANSWER_STYLES = ("notes", "lookup", "passages", "recall")
 def answer_window(style: str, multiwindow: bool, has_notes: bool) -> str:
     """What an answer in `style` reads besides its notes and the question: `text`, what the reading's cache holds
     (the document; past the window, its last window); `passages`, the kept notes' passages re-read into a fresh
-    window (no cache of the text needed); `recall`, the document and then those passages again. Without a note
-    to point at passages, every style reads the text."""
+    window (no cache of the text needed); `recall`, the document and then those passages again; `likeliest`,
+    past the window with no note kept, the passages the margins scored likeliest to help, re-read into a fresh
+    window (the last window is only where the text happened to end). Inside one window, without a note to point
+    at passages, every style reads the text."""
     if not has_notes:
-        return "text"
+        return "likeliest" if multiwindow and style != "notes" else "text"
     if style == "passages" or (multiwindow and style in ("lookup", "recall")):
         return "passages"
     return "recall" if style == "recall" else "text"
@@ -152,7 +154,7 @@ class Answering:
         notes = self._chosen(margins)
         wim = r.settings.mode == "wim" and not plain
         reads = answer_window(style or r.settings.answer_style, r.multiwindow, bool(notes)) if wim else "text"
-        lookup, recall = reads == "passages", reads == "recall"
+        lookup, recall = reads in ("passages", "likeliest"), reads == "recall"
         try:
             if lookup:
                 yield from self._lookup_window(query, notes, template, stop)
@@ -183,18 +185,10 @@ class Answering:
         else:
             ids, used = r.layout.suffix("answer_plain", query=query), []
         end = r.cache.length
-        result = DecodeResult()
         try:
             with r.engine.lock:
                 logits = r.runner.prefill(ids, r.cache, stop)
-                room = r.limit - r.cache.length
-                for _, piece in r.runner.decode(r.cache, logits, min(r.settings.answer_tokens, room), stop,
-                                                r.settings.temperature, r.generator, result=result, paragraph=True,
-                                                retries=r.settings.answer_retries):
-                    if isinstance(piece, Rewound):
-                        yield AnswerToken(piece.text, restart=True)
-                    elif piece:
-                        yield AnswerToken(piece)
+                result = yield from self._decode(logits, end + len(ids), stop)
         except Stopped:
             yield r._stats("answer", stopped=True)
             return
@@ -213,6 +207,34 @@ class Answering:
         yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
                      list(self.window.passages), result.retried)
         yield r._stats("answer")
+
+    def _decode(self, logits, question_end: int, stop) -> Iterator[Event]:
+        """Stream the answer after the question; return its DecodeResult. An answer that reaches its token cap
+        without ending a single sentence has not answered: it was copying a passage on and on (past the window,
+        one copied a chapter heading and the paragraph after it). It is taken back once (where
+        Settings.answer_retries lets an answer be taken back at all) and begun with its next-likeliest first token; if that one runs away
+        too, the first stands."""
+        r = self.reading
+        room = r.limit - question_end
+        barred: set[int] = set()
+        while True:
+            result = DecodeResult()
+            for _, piece in r.runner.decode(r.cache, logits, min(r.settings.answer_tokens, room), stop,
+                                            r.settings.temperature, r.generator, result=result, paragraph=True,
+                                            retries=r.settings.answer_retries, barred_first=barred):
+                if isinstance(piece, Rewound):
+                    yield AnswerToken(piece.text, restart=True)
+                elif piece:
+                    yield AnswerToken(piece)
+            runaway = result.reason == "limit" and not _SENTENCE_END.search(result.text)
+            if barred or not runaway or not result.ids or not (r.runner.takes_back and r.settings.answer_retries):
+                if barred and runaway:
+                    result = first
+                    yield AnswerToken(result.text, restart=True)
+                return result
+            first, barred = result, {result.ids[0]}
+            r.cache.truncate(question_end)
+            yield AnswerToken("", restart=True)
 
     def _chosen(self, margins) -> dict[int, str]:
         r = self.reading
@@ -266,13 +288,16 @@ class Answering:
 
     def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
         """The chosen notes whose passages fit in `room` beside all the notes and the question, in document order
-        (the highest-scored notes' passages first when not all fit)."""
+        (the highest-scored notes' passages first when not all fit). With no note chosen, the passages of the
+        segments the margins scored highest (the classifier's score: by default the note's own first-step
+        relevance, which a segment that said "nothing" has too)."""
         r = self.reading
         every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
         room -= len(every_note) + r.settings.answer_tokens
         scores = r._note_scores()
+        candidates = list(notes) or [i for i in r.margins if r.margins[i].score is not None]
         chosen, used = [], 0
-        for i in sorted(notes, key=lambda i: (-scores.get(i, 1.0), i)):
+        for i in sorted(candidates, key=lambda i: (-scores.get(i, 1.0), i)):
             if used + r.segments[i].tokens <= room:
                 chosen.append(i)
                 used += r.segments[i].tokens
@@ -312,6 +337,9 @@ class Answering:
         with r.engine.lock:
             r.runner.prefill(r.layout.prefix, r.cache, stop)
         self.window = AnswerWindow(chosen, self._feed_passages(chosen, stop))
-        if len(chosen) < len(notes):
+        if not notes:
+            yield Notice(f"No note was kept: the answer re-reads the {len(chosen)} passages the margins scored "
+                         "likeliest to help (as many as fit in the window).")
+        elif len(chosen) < len(notes):
             yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
                          "(as many as fit in the window) beside all the notes.")

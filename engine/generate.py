@@ -99,6 +99,7 @@ class Runner:
     The backend seam: engine/remote.py has a RemoteRunner with the same methods (new_cache, prefill, decode,
     token_probabilities, drain) over a server's completions API; the WiM loop uses only these."""
     early_stops = True  # free-form text ends at a loop or a paragraph; off: only end tokens and max_tokens
+    takes_back = True   # decode can bar tokens where text began and go on from there (loops, a runaway answer)
 
     def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None):
         self.model = model
@@ -184,8 +185,10 @@ class Runner:
     def decode(self, cache, logits: torch.Tensor, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
                step=None, result: DecodeResult | None = None, paragraph: bool = False,
-               retries: int = 0) -> Iterator[tuple[int | None, str | Rewound]]:
+               retries: int = 0, barred_first: set[int] | frozenset = frozenset()
+               ) -> Iterator[tuple[int | None, str | Rewound]]:
         """Generate up to `max_tokens` tokens after `logits`; yield (token_id, new_text) as each is chosen.
+        `barred_first`: tokens the text may not begin with.
 
         The chosen tokens are written into `cache` (the last one is not: it was never fed back), so the caller
         cuts the cache back to where it started once done. `step` overrides how a token is fed (masked scratch;
@@ -201,7 +204,7 @@ class Runner:
         result = result if result is not None else DecodeResult()
         ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
         start, first_logits = cache.length, logits
-        barred: dict[int, set[int]] = {}  # position in the text -> tokens barred there (each began a loop)
+        barred: dict[int, set[int]] = {0: set(barred_first)} if barred_first else {}  # position -> tokens barred
         while len(ending.ids) < max_tokens:  # ends: each loop taken back is one of `retries`
             position = len(ending.ids)
             if position in barred:

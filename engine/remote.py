@@ -214,6 +214,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 class RemoteRunner:
     """Runner's interface over a server: prefill lays ids down, decode and token_probabilities send requests."""
     early_stops = True  # as Runner's
+    takes_back = False  # a streamed request cannot be taken back to where its text began
 
     def __init__(self, server: RemoteModel, meter: Meter | None = None):
         self.server = server
@@ -249,13 +250,16 @@ class RemoteRunner:
     def decode(self, cache: TokenListCache, logits, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
                step=None, result: DecodeResult | None = None, paragraph: bool = False,
-               retries: int = 0) -> Iterator[tuple[int, str]]:
+               retries: int = 0, barred_first: set[int] | frozenset = frozenset()) -> Iterator[tuple[int, str]]:
         """One streamed completions request for the whole note; yields (token_id, new_text) as they arrive.
         It ends where the local decode would (generate.Ending: a loop, the end of a paragraph): leaving the
-        stream early closes it, and the server aborts the request. A loop is not taken back (`retries` is the
-        local runner's): the server's stream has no way back to where the loop began."""
+        stream early closes it, and the server aborts the request. A loop is not taken back (`retries` and
+        `barred_first` are the local runner's: takes_back): the server's stream has no way back to where the
+        loop began, and its logit bias would bar a token everywhere, not only first."""
         if step is not None:
             raise RuntimeError("masked scratch decoding is local-only: a server backend hides ids instead")
+        if barred_first:
+            raise RuntimeError("barring a first token is local-only (RemoteRunner.takes_back is False)")
         if stop is not None and stop.is_set():
             raise Stopped()
         prompt = cache.prompt()

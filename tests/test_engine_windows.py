@@ -392,3 +392,34 @@ def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
     plain = next(e for e in fresh.answer(OLD) if isinstance(e, Answer))
     assert again.passages == [] and again.text == plain.text
     assert reading.cache.length == reading.doc_end == reading.windows[-1].doc_end
+
+
+def test_past_the_window_with_no_note_kept_the_answer_re_reads_the_likeliest_passages(engine):
+    """No note kept (the reader marked them all irrelevant, or every margin said nothing): past the window the
+    answer window holds the passages of the segments the margins scored highest, in document order (their token
+    ids), as many as fit (greedily, highest first), then the question; not the last window, which is only where
+    the text happened to end."""
+    text = _alice(3200)
+    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
+    list(reading.read(OLD))
+    assert reading.multiwindow
+    events = list(reading.answer(OLD, margins=[]))
+    answer = next(e for e in events if isinstance(e, Answer))
+    window = reading.answering.window
+    scores = {i: m.score for i, m in reading.margins.items()}
+    assert window.passages and answer.passages == window.passages == sorted(window.passages)
+    assert max(scores, key=lambda i: (scores[i], -i)) in window.passages
+    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
+    assert window.ids[:len(passages)] == passages
+    assert OLD in engine.lm.tokenizer.decode(window.ids[len(passages):])
+    # Greedy by score: a segment left out either scored below every passage re-read or did not fit beside them.
+    room = reading.limit - len(engine.layout.prefix) - (len(window.ids) - len(passages)) - WINDOWED.answer_tokens
+    used = sum(reading.segments[i].tokens for i in window.passages)
+    lowest = min(scores[i] for i in window.passages)
+    for i in set(scores) - set(window.passages):
+        assert scores[i] <= lowest or reading.segments[i].tokens > room - used
+    assert any(isinstance(e, Notice) and "No note was kept" in e.text for e in events)
+    # Inside one window the document is in the cache: no passage is re-read for an answer without notes.
+    one = engine.open(_alice(1600), replace(WINDOWED, answer_style="lookup", context_limit=None))
+    list(one.read(OLD))
+    assert next(e for e in one.answer(OLD, margins=[]) if isinstance(e, Answer)).passages == []

@@ -6,6 +6,7 @@ single spaces, each span inside the note's own segment."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import pytest
 
 from engine import Margin, MarginToken, Settings, Stats
 from engine.generate import REPEAT_NGRAM, DecodeResult, Runner
+from engine.attribution import without_citations
 from engine.margins import OPENING_TOKENS, Extractive, pieces_of
 from tests.conftest import shared
 
@@ -156,6 +158,51 @@ def test_free_form_decoding_stops_on_a_loop(engine):
     assert len(result.ids) < 120
     if result.reason == "repeat":  # the loop's first round is kept: the text goes on until the repeat begins
         assert len(result.ids) >= REPEAT_NGRAM
+
+
+def test_a_barred_first_token_gives_the_next_likeliest_beginning(engine):
+    """decode's `barred_first`: the text begins with the likeliest token not barred, and goes on greedily from
+    there (checked against a fresh pass over the prompt and that beginning)."""
+    import torch
+    from engine.cache import make_cache
+    runner = Runner(engine.lm.model, engine.lm.tokenizer, engine.lm.device)
+    ids = engine.lm.tokenizer.encode("Alice was beginning to get very tired of sitting by her sister on the")
+    cache = make_cache(engine.lm.model, 256)
+    logits = runner.prefill(ids, cache)
+    ranked = logits.float().argsort(descending=True).tolist()
+    result = DecodeResult()
+    list(runner.decode(cache, logits, 6, result=result, barred_first={ranked[0]}))
+    assert result.ids[0] == ranked[1]
+    fresh, greedy = make_cache(engine.lm.model, 256), DecodeResult()
+    list(runner.decode(fresh, runner.prefill(ids + [ranked[1]], fresh), 5, result=greedy))
+    assert result.ids[1:] == greedy.ids
+
+
+def test_an_answer_run_to_its_cap_without_a_sentence_end_is_begun_again_once(engine):
+    """An answer that reaches its token cap without ending a sentence is taken back and begun with its
+    next-likeliest first token; when that one runs away too, the first stands (the same answer as without
+    take-backs), and the text shown ends as the answer."""
+    from dataclasses import replace
+    from engine import Answer, AnswerToken, Settings
+    book = shared("books", "pg11.txt").read_text(encoding="utf-8")
+    text = book[book.index("CHAPTER I.\nDown"):][:1600]
+    capped = Settings(segment_tokens=100, margin_tokens=8, answer_tokens=3, classifier="none")
+    query = "Where does Alice fall?"
+    without = engine.open(text, replace(capped, answer_retries=0))
+    list(without.read(query))
+    first = next(e for e in without.answer(query) if isinstance(e, Answer))
+    assert first.ending == "limit" and not re.search(r"[.!?]", first.text)  # three tokens: no sentence ends
+    reading = engine.open(text, capped)
+    list(reading.read(query))
+    events = list(reading.answer(query))
+    answer = next(e for e in events if isinstance(e, Answer))
+    shown = ""
+    for e in events:
+        if isinstance(e, AnswerToken):
+            shown = e.text if e.restart else shown + e.text
+    restarts = [e for e in events if isinstance(e, AnswerToken) and e.restart]
+    assert len(restarts) == 2 and restarts[0].text == ""  # begun again, then the first put back
+    assert answer.text == first.text and shown.strip() == without_citations(answer.text).strip()
 
 
 def test_a_loop_taken_back_goes_on_from_where_it_began(engine):
