@@ -36,7 +36,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.answering import answer_window, says_not_stated
+from engine.answering import FRESH_WINDOWS, answer_window, says_not_stated
 from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
 
@@ -299,7 +299,7 @@ class Evaluator:
             selection, style = WIM_MODES[mode]
             chosen = [i for i, keep in read["verdicts"].get(selection, {}).items() if keep]
             key = self._answer_key(chosen, style, read["windows"] > 1)
-            if key not in answered and key[1] not in ("passages", "likeliest"):
+            if key not in answered and key[1] not in FRESH_WINDOWS:
                 return False
         return True
 

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 # recall: inside one window, the kept notes' passages re-read after the whole document, next to the question (past
 # the window, lookup).
 ANSWER_STYLES = ("notes", "lookup", "passages", "recall")
+# answer_window's results whose window is built afresh from re-read passages: no cache of the text needed.
+FRESH_WINDOWS = ("passages", "likeliest")
 
 
 def answer_window(style: str, multiwindow: bool, has_notes: bool) -> str:
@@ -154,7 +156,7 @@ class Answering:
         notes = self._chosen(margins)
         wim = r.settings.mode == "wim" and not plain
         reads = answer_window(style or r.settings.answer_style, r.multiwindow, bool(notes)) if wim else "text"
-        lookup, recall = reads in ("passages", "likeliest"), reads == "recall"
+        lookup, recall = reads in FRESH_WINDOWS, reads == "recall"
         try:
             if lookup:
                 yield from self._lookup_window(query, notes, template, stop)
@@ -212,8 +214,8 @@ class Answering:
         """Stream the answer after the question; return its DecodeResult. An answer that reaches its token cap
         without ending a single sentence has not answered: it was copying a passage on and on (past the window,
         one copied a chapter heading and the paragraph after it). It is taken back once (where
-        Settings.answer_retries lets an answer be taken back at all) and begun with its next-likeliest first token; if that one runs away
-        too, the first stands."""
+        Settings.answer_retries lets an answer be taken back at all) and begun with its next-likeliest first
+        token; if that one runs away too, the first stands."""
         r = self.reading
         room = r.limit - question_end
         barred: set[int] = set()
