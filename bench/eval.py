@@ -138,10 +138,10 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 class Evaluator:
     def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
                  margins: str = "extractive", context_limit: int | None = None, reads: Path | None = None,
-                 copy_choice: str = "opening"):
+                 copy_choice: str = "opening", notes_so_far: bool = False):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
-        self.margins, self.copy_choice = margins, copy_choice
+        self.margins, self.copy_choice, self.notes_so_far = margins, copy_choice, notes_so_far
         self.context_limit = context_limit
         self.reads = reads
 
@@ -154,7 +154,7 @@ class Evaluator:
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
                         answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit,
-                        copy_choice=self.copy_choice)
+                        copy_choice=self.copy_choice, notes_so_far=self.notes_so_far)
 
     def wim_read(self, case: Case, base, notes_only: dict | None = None) -> tuple[object, dict]:
         """(reading, its record): read now, or taken up from --reads where an earlier run kept it, or (given
@@ -338,6 +338,7 @@ def fingerprint(engine, args) -> str:
              # copies chosen by their openings (the records made token by token keep their fingerprint)
              *(["copy=opening"] if args.margins == "extractive" and args.copy_choice == "opening" else []),
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
+             *(["notes_so_far"] if getattr(args, "notes_so_far", False) else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
              *(["attention=fused"] if attention_kernel() == "fused" else []),
              # decode weights asked for by name, not left to the engine (their sums differ: another record)
@@ -509,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how margins are written (engine Settings.margins)")
     parser.add_argument("--copy-choice", default="opening", choices=("opening", "token"),
                         help="how a copied note chooses its sentences (engine Settings.copy_choice)")
+    parser.add_argument("--notes-so-far", action="store_true",
+                        help="the notes kept so far ride in each margin's instruction (engine Settings.notes_so_far)")
     parser.add_argument("--context-limit", type=int, default=None,
                         help="tokens the cache may hold (default: the model's window); a smaller limit reads a "
                              "long text in several windows at a fraction of the cost of a window that long")
@@ -585,9 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit, args.reads, args.copy_choice)
+                          args.context_limit, args.reads, args.copy_choice, args.notes_so_far)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens, "copy_choice": args.copy_choice,
+            "notes_so_far": args.notes_so_far,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel(),

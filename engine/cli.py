@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--copy-choice", choices=COPY_CHOICES, default=Settings.copy_choice,
                       help="extractive: opening: each sentence's first tokens scored, the likeliest copied; "
                            "token: chosen token by token")
+    read.add_argument("--notes-so-far", action="store_true", default=Settings.notes_so_far,
+                      help="the notes kept so far ride in each margin's instruction")
     read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier,
                       help="margin: relevance from the note itself (no second prompt); llm: the model says yes/no; "
                            "embedding: MiniLM similarity; combined: MiniLM, or a note sure of itself; none: keep "
@@ -203,7 +205,7 @@ def cmd_read(args) -> int:
     text, query, target = doc.text, doc.query, doc.target
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
                         answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
-                        copy_choice=args.copy_choice,
+                        copy_choice=args.copy_choice, notes_so_far=args.notes_so_far,
                         temperature=args.temperature, context_limit=args.context_limit,
                         window=args.window, overflow=args.overflow, answer_style=args.answer_style,
                         # Follow-ups here answer from the last window and the margins (no remargin), so

@@ -19,6 +19,9 @@ from .segment import Segment
 
 
 SCORING_ROOM = 8 * OPENING_TOKENS
+# With Settings.notes_so_far: the most tokens the earlier notes take in a margin's instruction (the latest kept
+# notes that fit; about six one-sentence notes).
+NOTES_SO_FAR_TOKENS = 192
 
 
 @dataclass
@@ -33,13 +36,36 @@ class MarginNote:
 class MarginWriting:
     """The margins of one reading (engine, settings, segmented text, runner and sampling generator)."""
 
-    def __init__(self, engine, settings, doc, runner, generator):
+    def __init__(self, engine, settings, doc, runner, generator,
+                 kept_before: Callable[[int], list[str]] = lambda index: []):
         self.engine, self.settings, self.doc, self.runner, self.generator = engine, settings, doc, runner, generator
         self.layout = engine.layout
+        self.kept_before = kept_before  # segment index -> the texts of the notes kept before it, in text order
 
-    def instruction(self, query: str) -> list[int]:
-        """The margin instruction after each segment (engine/prompts/)."""
-        return self.layout.suffix(self.settings.margin_prompt, query=query)
+    def instruction(self, query: str, index: int | None = None) -> list[int]:
+        """The margin instruction after segment `index` (engine/prompts/). With Settings.notes_so_far and a note
+        kept before it, the latest kept notes ride in the instruction: a sentence that matters only through an
+        earlier note (where the person who took the object went next) can then be seen to matter."""
+        s = self.settings
+        earlier = self.kept_before(index) if s.notes_so_far and index is not None else []
+        if not earlier:
+            return self.layout.suffix(s.margin_prompt, query=query)
+        lines: list[str] = []
+        for text in reversed(earlier):
+            line = f"- {' '.join(text.split())}"
+            if len(self.layout.encode("\n".join([line, *lines]))) > NOTES_SO_FAR_TOKENS:
+                break
+            lines.insert(0, line)
+        if not lines:
+            return self.layout.suffix(s.margin_prompt, query=query)
+        return self.layout.suffix(s.margin_prompt + "_notes", query=query, notes="\n".join(lines))
+
+    def instruction_reserve(self) -> int:
+        """Room a margin's instruction may take past the document, the question's words aside."""
+        s = self.settings
+        if s.notes_so_far:
+            return len(self.layout.suffix(s.margin_prompt + "_notes", query="", notes="")) + NOTES_SO_FAR_TOKENS
+        return len(self.layout.suffix(s.margin_prompt, query=""))
 
     def folds_instruction(self) -> bool:
         """Whether the margin instruction rides in its segment's last prefill pass: with the model in this
@@ -70,7 +96,7 @@ class MarginWriting:
         only the cache up to there (new-question margins). `fed`: the instruction is already in the cache (fed
         with the segment), with the logits after it."""
         t = time.perf_counter()
-        instruction = self.instruction(query)
+        instruction = fed[0] if fed else self.instruction(query, seg.index)
         writer, pieces = self.writer_for(seg)
         with self.engine.lock:
             scratch = (self.runner.scratch(cache, doc_end, stop) if hasattr(self.runner, "scratch")
@@ -104,10 +130,11 @@ class MarginWriting:
         """Whether a window's new-question margins may be written in one batch: the local runner over the
         preallocated cache, a writer that decodes token by token (scored notes score rows of their own), and
         greedy choice (sampling would draw from the shared generator in another order than one margin after
-        another, and the notes would differ from a fresh read's)."""
+        another, and the notes would differ from a fresh read's), and one instruction for every row (with
+        notes_so_far each margin's instruction holds the notes kept before it, so they are written in order)."""
         s = self.settings
         return (not hasattr(self.runner, "scratch") and hasattr(cache, "evict") and s.margins != "scored"
-                and s.temperature <= 0)
+                and s.temperature <= 0 and not s.notes_so_far)
 
     def write_together(self, segments: list[Segment], boundaries: dict[int, int], query: str,
                        classifier: Classifier, cache, doc_end: int, limit: int, stop,

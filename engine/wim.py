@@ -65,6 +65,9 @@ class Settings:
     # Which sentence an extractive note copies: opening (every candidate's first tokens scored, the likeliest
     # copied) | token (token by token through the sentences' trie: drawn to common first words). docs/margins.md.
     copy_choice: str = "opening"
+    # The notes kept so far ride in each margin's instruction (the latest that fit 192 tokens), so that a
+    # sentence that matters only through an earlier note can be copied; margins are then written one by one.
+    notes_so_far: bool = False
     embedding_threshold: float = 0.3
     rag_top_k: int = 3
     temperature: float = 0.0           # 0: greedy
@@ -179,7 +182,7 @@ class Reading:
         self.document_tokens_prefilled = 0   # document tokens fed to the model over this reading's life
         self.query = ""
         self.generator = torch.Generator().manual_seed(settings.seed)
-        self.notes = MarginWriting(engine, settings, self.doc, self.runner, self.generator)
+        self.notes = MarginWriting(engine, settings, self.doc, self.runner, self.generator, self.notes_before)
         self.group_writing = GroupWriting(engine, settings, self.doc, self.runner, self.generator)
         self.answering = Answering(self)
         self._plan_windows()
@@ -198,7 +201,7 @@ class Reading:
         carried by its margins), `llm` keeps the beginning and the end (the middle is skipped, as LongBench
         truncates), `rag` is unaffected (it reads only its top-k segments)."""
         s = self.settings
-        self.margin_reserve = len(self.layout.suffix(s.margin_prompt, query="")) + 64 + s.margin_tokens
+        self.margin_reserve = self.notes.instruction_reserve() + 64 + s.margin_tokens
         need = len(self.layout.prefix) + len(self.doc.token_ids) + self.margin_reserve
         self.multiwindow = need > self.limit
         # In a multi-window reading the last window must leave room for the answer's notes and the answer.
@@ -263,7 +266,7 @@ class Reading:
                     else:
                         yield from self._new_window(seg.index, stop)
                 t = time.perf_counter()
-                instruction = self.notes.instruction(query) if mode == "wim" and seg.index not in skip \
+                instruction = self.notes.instruction(query, seg.index) if mode == "wim" and seg.index not in skip \
                     and self.notes.folds_instruction() else []
                 logits = self._prefill_segment(seg, self.windows[-1], stop, then=instruction)
                 yield SegmentRead(seg.index, len(self.segments), seg.tokens, (seg.char_start, seg.char_end),
@@ -466,6 +469,12 @@ class Reading:
 
     def _keep_margin(self, note: MarginNote) -> None:
         self.margins[note.index] = note
+
+    def notes_before(self, index: int) -> list[str]:
+        """The texts of the notes kept on segments before `index`, in text order (a margin's instruction
+        carries them with Settings.notes_so_far). Margins are written in text order, so for a new question
+        these are already its own."""
+        return [m.text for i, m in sorted(self.margins.items()) if i < index and m.text and m.relevant is not False]
 
     def _rag_choice(self, query: str) -> set[int]:
         """Indexes of the top-k segments by MiniLM similarity to the query (the RAG baseline)."""
