@@ -135,6 +135,52 @@ def test_remargin_extractive_equals_a_fresh_read(engine):
     assert [m.score for m in again] == pytest.approx([m.score for m in fresh], abs=1e-3)
 
 
+def test_notes_so_far_ride_in_the_next_margins_instructions(engine):
+    """With notes_so_far each margin's instruction holds the notes kept before it (the latest that fit), in text
+    order; before the first kept note it is the plain instruction. The notes stay copies of their own segment."""
+    text = shared("books", "pg11.txt").read_text(encoding="utf-8")
+    start = text.index("CHAPTER I.\nDown the Rabbit-Hole")
+    settings = Settings(segment_tokens=300, margin_tokens=48, classifier="margin", notes_so_far=True)
+    reading = engine.open(text[start:start + 5000], settings)
+    query = "Why does Alice follow the White Rabbit?"
+    given = {}
+    instruction = reading.notes.instruction
+    reading.notes.instruction = lambda q, index=None: given.setdefault(index, instruction(q, index))
+    margins = [e for e in reading.read(query) if isinstance(e, Margin)]
+    assert assert_faithful(reading, margins) >= 2
+    assert sorted(given) == [m.index for m in margins]
+    plain = reading.layout.suffix("margin_extractive", query=query)
+    carried = 0
+    for m in margins:
+        earlier = [" ".join(n.text.split()) for n in margins if n.index < m.index and n.relevant]
+        if not earlier:
+            assert given[m.index] == plain
+            continue
+        words = reading.layout.tokenizer.decode(given[m.index])
+        assert words.startswith(reading.layout.tokenizer.decode(reading.layout.encode(reading.layout.closing +
+                                                                                     "Notes copied so far")))
+        shown = [line.removeprefix("- ") for line in words.split("\n") if line.startswith("- ")]
+        assert shown and shown == earlier[-len(shown):]   # the latest kept notes, in text order
+        assert query in words
+        carried += 1
+    assert carried >= 1
+
+
+def test_remargin_with_notes_so_far_equals_a_fresh_read(engine):
+    """New-question margins carry the new question's own earlier notes: written one by one, they equal a fresh
+    read's."""
+    text = shared("books", "pg11.txt").read_text(encoding="utf-8")
+    start = text.index("CHAPTER I.\nDown the Rabbit-Hole")
+    text = text[start:start + 5000]
+    settings = Settings(segment_tokens=300, margin_tokens=48, classifier="margin", notes_so_far=True)
+    reading = engine.open(text, settings)
+    list(reading.read("Why does Alice follow the White Rabbit?"))
+    again = [e for e in reading.remargin("What does Alice find in the hall?") if isinstance(e, Margin)]
+    fresh = [e for e in engine.open(text, settings).read("What does Alice find in the hall?") if isinstance(e, Margin)]
+    assert sum(bool(m.text) for m in fresh) >= 2
+    assert [(m.text, m.spans) for m in again] == [(m.text, m.spans) for m in fresh]
+
+
 def test_scored_margins_are_faithful_too(engine):
     text = shared("books", "pg84.txt").read_text(encoding="utf-8")[20000:26000]
     reading = engine.open(text, Settings(segment_tokens=400, margin_tokens=64, margins="scored"))
