@@ -39,6 +39,7 @@ from pathlib import Path
 from engine.answering import FRESH_WINDOWS, answer_window, says_not_stated
 from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
+from engine.wim import Settings
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
@@ -63,8 +64,9 @@ OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {}),
             "wim-group": ("wim", {"overflow": "group"})}
 MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only", "wim-group")
 ALIASES = {"wim": tuple(WIM_MODES)}
-# margins-only answers from the notes the app's default classifier keeps (Settings.classifier).
-MARGINS_ONLY_CLASSIFIER = "margin"
+# margins-only answers from the notes the app's default classifier keeps (Settings.classifier; "margin" until
+# 2026-12-06, when the default had long been "combined": the records name the classifier they used).
+MARGINS_ONLY_CLASSIFIER = Settings.classifier
 LENGTHS = (4000, 7200)  # "4k" and "8k": 7.2k leaves the 8,192-token window room for 8 margins and the answer
 
 
@@ -149,7 +151,6 @@ class Evaluator:
         """The engine's defaults but for the case's sizes. Margins are read with the default classifier, whose
         selection is what a multi-window reading carries into its next window (each wim mode then answers with
         its own selection, the verdicts worked out after the read)."""
-        from engine import Settings
         tok = self.engine.lm.tokenizer
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
@@ -289,7 +290,6 @@ class Evaluator:
     def _answer_key(chosen, style: str | None, multiwindow: bool) -> tuple:
         """Two answers with the same key are the same greedy computation: the same margins, and the same window
         read beside them (engine/answering.py's answer_window)."""
-        from engine import Settings
         return tuple(sorted(int(i) for i in chosen)), answer_window(style or Settings.answer_style, multiwindow,
                                                                     bool(chosen))
 
