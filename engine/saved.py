@@ -21,6 +21,9 @@ SAVED = "reading.json"
 # Settings that shape only the answers, not what a read leaves in the cache: a saved read is taken up whatever
 # they say (and the saves made before they existed keep their fingerprint).
 ANSWER_ONLY = ("answer_retries",)
+# Settings added later, with the value that reads as before: at that value they leave the fingerprint as it was,
+# so the saves made before they existed are still taken up.
+ADDED = {"notes_so_far": False}
 
 
 def fingerprint(reading: "Reading") -> str:
@@ -29,6 +32,9 @@ def fingerprint(reading: "Reading") -> str:
     settings = reading.settings.to_dict()
     for name in ANSWER_ONLY:
         settings.pop(name)
+    for name, before in ADDED.items():
+        if settings[name] == before:
+            settings.pop(name)
     # a cache prefilled through int8 copies holds other values: its own fingerprint (the others' stay as they were)
     numerics = ["prefill=int8"] if getattr(lm, "prefill_int8", None) else []
     blob = json.dumps([lm.name, str(lm.dtype), settings,

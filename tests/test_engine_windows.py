@@ -289,6 +289,7 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
     assert engine.open(text, replace(WINDOWED, answer_retries=0)).restore(tmp_path / "capped")
     assert not engine.open(text, replace(WINDOWED, margin_tokens=WINDOWED.margin_tokens + 1)).restore(
         tmp_path / "capped")
+    assert not engine.open(text, replace(WINDOWED, notes_so_far=True)).restore(tmp_path / "capped")
     events = list(reopened.remargin(NEW))
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     re_read = [e.text for e in events if isinstance(e, Notice) and "read again" in e.text]
