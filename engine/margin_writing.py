@@ -20,8 +20,10 @@ from .segment import Segment
 
 SCORING_ROOM = 8 * OPENING_TOKENS
 # With Settings.notes_so_far: the most tokens the earlier notes take in a margin's instruction (the latest kept
-# notes that fit; about six one-sentence notes).
+# notes that fit; about six one-sentence notes), and at most this share of the window (a small window keeps its room
+# for the text).
 NOTES_SO_FAR_TOKENS = 192
+NOTES_SO_FAR_SHARE = 1 / 16
 
 
 @dataclass
@@ -37,10 +39,12 @@ class MarginWriting:
     """The margins of one reading (engine, settings, segmented text, runner and sampling generator)."""
 
     def __init__(self, engine, settings, doc, runner, generator,
-                 kept_before: Callable[[int], list[str]] = lambda index: []):
+                 kept_before: Callable[[int], list[str]] = lambda index: [], window: int | None = None):
         self.engine, self.settings, self.doc, self.runner, self.generator = engine, settings, doc, runner, generator
         self.layout = engine.layout
         self.kept_before = kept_before  # segment index -> the texts of the notes kept before it, in text order
+        self.notes_room = NOTES_SO_FAR_TOKENS if window is None else min(NOTES_SO_FAR_TOKENS,
+                                                                         int(window * NOTES_SO_FAR_SHARE))
 
     def instruction(self, query: str, index: int | None = None) -> list[int]:
         """The margin instruction after segment `index` (engine/prompts/). With Settings.notes_so_far and a note
@@ -53,7 +57,7 @@ class MarginWriting:
         lines: list[str] = []
         for text in reversed(earlier):
             line = f"- {' '.join(text.split())}"
-            if len(self.layout.encode("\n".join([line, *lines]))) > NOTES_SO_FAR_TOKENS:
+            if len(self.layout.encode("\n".join([line, *lines]))) > self.notes_room:
                 break
             lines.insert(0, line)
         if not lines:
@@ -64,7 +68,7 @@ class MarginWriting:
         """Room a margin's instruction may take past the document, the question's words aside."""
         s = self.settings
         if s.notes_so_far:
-            return len(self.layout.suffix(s.margin_prompt + "_notes", query="", notes="")) + NOTES_SO_FAR_TOKENS
+            return len(self.layout.suffix(s.margin_prompt + "_notes", query="", notes="")) + self.notes_room
         return len(self.layout.suffix(s.margin_prompt, query=""))
 
     def folds_instruction(self) -> bool:
