@@ -38,13 +38,12 @@ class MarginNote:
 class MarginWriting:
     """The margins of one reading (engine, settings, segmented text, runner and sampling generator)."""
 
-    def __init__(self, engine, settings, doc, runner, generator,
-                 kept_before: Callable[[int], list[str]] = lambda index: [], window: int | None = None):
+    def __init__(self, engine, settings, doc, runner, generator, kept_before: Callable[[int], list[str]],
+                 window: int):
         self.engine, self.settings, self.doc, self.runner, self.generator = engine, settings, doc, runner, generator
         self.layout = engine.layout
         self.kept_before = kept_before  # segment index -> the texts of the notes kept before it, in text order
-        self.notes_room = NOTES_SO_FAR_TOKENS if window is None else min(NOTES_SO_FAR_TOKENS,
-                                                                         int(window * NOTES_SO_FAR_SHARE))
+        self.notes_room = min(NOTES_SO_FAR_TOKENS, int(window * NOTES_SO_FAR_SHARE))
 
     def instruction(self, query: str, index: int | None = None) -> list[int]:
         """The margin instruction after segment `index` (engine/prompts/). With Settings.notes_so_far and a note
@@ -52,8 +51,6 @@ class MarginWriting:
         earlier note (where the person who took the object went next) can then be seen to matter."""
         s = self.settings
         earlier = self.kept_before(index) if s.notes_so_far and index is not None else []
-        if not earlier:
-            return self.layout.suffix(s.margin_prompt, query=query)
         lines: list[str] = []
         for text in reversed(earlier):
             line = f"- {' '.join(text.split())}"
