@@ -246,3 +246,35 @@ def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch)
     monkeypatch.setenv("MARGINALIA_CAST_CACHE", "off")  # the fp32 conversion, cast while loading
     assert models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full").model.config.name_or_path \
         == str(copy)
+
+
+def test_two_processes_casting_the_same_model_at_once_both_load_it(tmp_path):
+    """Two processes loading a model for the first time at once (two evaluation workers) each cast it in their own
+    folder; the first to finish puts its copy in place and the other takes that one. With one shared half-built
+    folder, the second to start deleted the first's files under it (a worker died at its first load)."""
+    import torch
+    from safetensors.torch import save_file
+
+    source = tmp_path / "tiny"
+    source.mkdir()
+    tensors = {f"layer{i}.weight": torch.full((256, 256), float(i)) for i in range(48)}
+    save_file(tensors, source / "model.safetensors")
+    (source / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    go = tmp_path / "go"
+    code = ("import sys, time, pathlib, torch\n"
+            "from engine import model as m\n"
+            "m.CAST_SHARD_BYTES = 64 * 1024  # a shard every tensor: many writes, so that the two overlap\n"
+            f"go = pathlib.Path({str(go)!r})\n"
+            "while not go.exists(): time.sleep(0.001)\n"
+            f"print(m.cast_folder(pathlib.Path({str(source)!r}), torch.bfloat16))\n")
+    workers = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    go.touch()
+    results = [w.communicate(timeout=120) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [err[-2000:] for _, err in results]
+    target = tmp_path / "tiny-bfloat16"
+    assert {out.strip() for out, _ in results} == {str(target)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "tiny", "tiny-bfloat16"]  # no half-built copy left
+    from safetensors.torch import load_file
+    cast = {k: v for f in target.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(cast) == set(tensors) and all(torch.equal(cast[k], tensors[k].bfloat16()) for k in tensors)
