@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import Answer, Margin, Settings, Stats
+from engine.answering import complete_sentences
 from engine.cache import cache_keyword, make_cache
 from engine.classify import Classifier, LLMClassifier
 from engine.generate import Meter, Runner, prefill_passes
@@ -244,11 +245,13 @@ class _ReferenceRunner:
     def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> str:
         """Greedy, with the engine's accounting: the last chosen token is never fed back."""
         ids: list[int] = []
+        self.decoded = 0
         for i in range(max_tokens):
             token = int(torch.argmax(logits))
             if token in self.stop_ids:
                 break
             ids.append(token)
+            self.decoded = len(ids)
             self.meter.decode_tokens += 1
             if i + 1 == max_tokens:
                 break
@@ -325,8 +328,10 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
     reading.doc_end = doc.get_seq_length()  # the engine's reading never read: give it this cache's length
     ids, used, _ = reading.answering.notes_prompt(query, {i: notes[i] for i in kept})
     logits = ref.prefill(ids, doc)
-    room = reading.limit - doc.get_seq_length()
-    run.answer = ref.decode(doc, logits, min(settings.answer_tokens, room))
+    cap = min(settings.answer_tokens, reading.limit - doc.get_seq_length())
+    # Finished as the engine finishes an answer: one cut at its token cap ends at its last complete sentence.
+    raw = ref.decode(doc, logits, cap)
+    run.answer = complete_sentences(raw, "limit" if ref.decoded == cap else "end")
     run.seconds = time.perf_counter() - t
     run.add(ref.meter)
     run.margins = [(i, notes[i], i in kept) for i in sorted(notes)]
