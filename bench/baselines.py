@@ -245,19 +245,18 @@ class _ReferenceRunner:
     def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> str:
         """Greedy, with the engine's accounting: the last chosen token is never fed back."""
         ids: list[int] = []
-        self.decoded = 0
         for i in range(max_tokens):
             token = int(torch.argmax(logits))
             if token in self.stop_ids:
                 break
             ids.append(token)
-            self.decoded = len(ids)
             self.meter.decode_tokens += 1
             if i + 1 == max_tokens:
                 break
             t = time.perf_counter()
             logits = self.forward([token], cache)
             self.meter.decode_seconds += time.perf_counter() - t
+        self.decoded = len(ids)  # the answer's tokens: at the cap, the answer was cut there
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
 
 

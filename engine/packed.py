@@ -26,13 +26,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .files import into_place, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -303,9 +304,9 @@ def _packs_file(path: Path, build) -> dict[str, torch.Tensor]:
     if path.exists():
         return load_file(path)
     packs = build()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes may build it at once
+    tmp = partial_path(path)
     save_file(packs, tmp)
-    tmp.rename(path)  # atomic: a half-written file is never taken for a finished one
+    into_place(tmp, path)
     return packs
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .files import into_place, partial_path
 from .generate import Meter
 from .group_notes import GroupNote
 from .margin_writing import MarginNote
@@ -52,8 +52,7 @@ def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = 
     for _ in reading.last_window_in_cache():  # an answer's look-up may hold the cache; its notices say nothing new
         pass
     folder = Path(folder)
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = partial_path(folder)
     partial.mkdir(parents=True)
     windows = reading.window_store.save(partial, reading.cache, max_bytes)
     meta = {"fingerprint": fingerprint(reading), "query": reading.query, "window": reading.window,
@@ -61,8 +60,7 @@ def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = 
             "margins": [asdict(m) for m in reading.margins.values()],
             "groups": [asdict(g) for g in reading.group_writing.groups.values()]}
     (partial / SAVED).write_text(json.dumps(meta), encoding="utf-8")
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
+    into_place(partial, folder, replace=True)
 
 
 def restore_notes(reading: "Reading", notes: list[MarginNote]) -> None:
