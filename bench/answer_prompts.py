@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
     parser.add_argument("--margins", default="extractive")
     parser.add_argument("--context-limit", type=int, default=None)
+    parser.add_argument("--copy-choice", default="opening", choices=("opening", "token"),
+                        help="how a copied note chooses its sentences (engine Settings.copy_choice)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma list of PROMPT[+SELECTION][@STYLE], PROMPT one of " + ", ".join(CANDIDATES)
                              + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in generate_cases(tok, args.tasks.split(","), [int(x) for x in args.length.split(",")], args)
              if c.index >= args.first]
     evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit)
+                          args.context_limit, copy_choice=args.copy_choice)
     fp = fingerprint(engine, args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "records.jsonl"

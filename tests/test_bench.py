@@ -243,3 +243,31 @@ def test_eval_answers_passages_from_the_recorded_notes_without_reading_again(tmp
         else:  # nothing kept: the default answer, recorded already
             assert r["same_selection_as"] == "wim-combined"
         assert r["prediction"] == fresh_answers[r["case"]]["prediction"]
+
+
+def test_answer_prompts_answers_every_candidate_from_one_kept_read(tmp_path):
+    """bench.answer_prompts: one read per case, kept with --reads; each candidate and plain reading answer from it,
+    and a later run with another candidate answers only that one, from the kept read."""
+    shared("babi", "qa1_single-supporting-fact_test.txt")
+    out, reads = tmp_path / "out", tmp_path / "reads"
+    common = ["--model", "embedded", "--length", "500", "--n", "1", "--tasks", "babilong,multihop",
+              "--out", str(out), "--reads", str(reads)]
+
+    def run(candidates: str) -> list[dict]:
+        cmd = [sys.executable, "-m", "bench.answer_prompts", *common, "--candidates", candidates]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+    first = run("list+emb-or-rel")
+    assert sorted((r["case"], r["candidate"]) for r in first) == [
+        (case, name) for case in ("babilong/500/0", "multihop/500/0") for name in ("list+emb-or-rel", "plain")]
+    assert sorted(p.name for p in reads.iterdir()) == ["babilong-500-0", "multihop-500-0"]
+    for r in first:
+        assert 0 <= r["score"] <= 1 and isinstance(r["prediction"], str) and r["kept"] is not None
+    kept_at = {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()}
+    second = run("list+emb-or-rel,margins-plain")
+    assert second[:len(first)] == first  # nothing done twice
+    assert sorted((r["case"], r["candidate"]) for r in second[len(first):]) == [
+        ("babilong/500/0", "margins-plain"), ("multihop/500/0", "margins-plain")]
+    assert {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()} == kept_at  # not read again
