@@ -271,3 +271,19 @@ def test_answer_prompts_answers_every_candidate_from_one_kept_read(tmp_path):
     assert sorted((r["case"], r["candidate"]) for r in second[len(first):]) == [
         ("babilong/500/0", "margins-plain"), ("multihop/500/0", "margins-plain")]
     assert {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()} == kept_at  # not read again
+    # bench.answer_choice weighs each case's WiM and plain answers from the same kept reads, reading nothing again.
+    choice = tmp_path / "choice.jsonl"
+    cmd = [sys.executable, "-m", "bench.answer_choice", "--model", "embedded", "--length", "500", "--n", "1",
+           "--tasks", "babilong,multihop", "--records", str(out / "records.jsonl"), "--reads", str(reads),
+           "--out", str(choice)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    weighed = [json.loads(line) for line in choice.read_text().splitlines()]
+    assert sorted(r["case"] for r in weighed) == ["babilong/500/0", "multihop/500/0"]
+    for r in weighed:
+        assert set(r["mean_logprob"]) == {"wim|wim", "wim|plain", "plain|wim", "plain|plain"}
+        assert all(-100 < v < 0 for v in r["mean_logprob"].values())
+        if r["answers"]["wim"] == r["answers"]["plain"]:  # one answer: the same likelihood either way
+            assert r["mean_logprob"]["wim|wim"] == r["mean_logprob"]["plain|wim"]
+    assert "chosen by the notes" in done.stdout
+    assert {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()} == kept_at
