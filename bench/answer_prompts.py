@@ -20,6 +20,8 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - question-twice: the question before the notes and again after them, citations as in list-cite-after;
 - list-sources: the list, the answer, then "Sources:" and its citations on a line of their own;
 - question-first-sources: the question, then the copied notes, the answer and a "Sources:" line.
+- list-later:  the list, said to be in the order of the text, and "where notes disagree, the later one is the
+               more recent" (at 16k the 1.5B answered "where is X" from the first of several notes on X's moves).
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's
 default (every note that did not say NONE), `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges
 relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM's verdict alone, or `reader`: the
@@ -90,6 +92,9 @@ CANDIDATES = {
     "question-first-sources": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the "
                               "document into the margins, in reading order:\n{margins}\n\nAnswer the question from "
                               "the document and the notes. " + _SOURCES,
+    "list-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}"
+                  "\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few words. Where "
+                  "notes disagree, the later one is the more recent.",
 }
 
 
