@@ -242,8 +242,9 @@ class _ReferenceRunner:
         self.meter.prefill_tokens += len(ids) + len(then)
         return logits
 
-    def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> str:
-        """Greedy, with the engine's accounting: the last chosen token is never fed back."""
+    def decode(self, cache: DynamicCache, logits: torch.Tensor, max_tokens: int) -> tuple[str, str]:
+        """Greedy, with the engine's accounting: the last chosen token is never fed back. (text, ending): "limit"
+        where it ran to `max_tokens`, "end" where the model ended it."""
         ids: list[int] = []
         for i in range(max_tokens):
             token = int(torch.argmax(logits))
@@ -256,8 +257,8 @@ class _ReferenceRunner:
             t = time.perf_counter()
             logits = self.forward([token], cache)
             self.meter.decode_seconds += time.perf_counter() - t
-        self.decoded = len(ids)  # the answer's tokens: at the cap, the answer was cut there
-        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
+        text = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
+        return text, "limit" if len(ids) == max_tokens else "end"
 
 
 class _Cropped:
@@ -309,7 +310,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
         logits = ref.prefill(reading.doc.segment_ids(seg), doc, then=instruction)
         boundary = doc.get_seq_length() - len(instruction)
         if settings.margins == "abstractive":
-            notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)
+            notes[seg.index] = ref.decode(doc, logits, settings.margin_tokens)[0]
         else:
             writer, pieces = reading.notes.writer_for(seg)
             notes[seg.index] = _note(writer.write(_ReferenceScratch(ref, doc, (instruction, logits)), instruction,
@@ -329,8 +330,7 @@ def _reference_pattern(engine, text, query, settings, fixed) -> Run:
     logits = ref.prefill(ids, doc)
     cap = min(settings.answer_tokens, reading.limit - doc.get_seq_length())
     # Finished as the engine finishes an answer: one cut at its token cap ends at its last complete sentence.
-    raw = ref.decode(doc, logits, cap)
-    run.answer = complete_sentences(raw, "limit" if ref.decoded == cap else "end")
+    run.answer = complete_sentences(*ref.decode(doc, logits, cap))
     run.seconds = time.perf_counter() - t
     run.add(ref.meter)
     run.margins = [(i, notes[i], i in kept) for i in sorted(notes)]
