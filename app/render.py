@@ -320,6 +320,7 @@ class AnswerView:
     done: bool = True
     note: str = ""
     seconds: float | None = None
+    reasoning: str = ""  # what the answer said before "Answer:", folded under it
 
 
 def with_citation_chips(text: str, used: list[int], pages: dict) -> str:
@@ -366,9 +367,11 @@ def answers_html(answers: list[AnswerView]) -> str:
         body = (with_citation_chips(a.text, a.used, a.pages) if a.done else esc(a.text)) if a.text else \
             ('<span class="mg-empty">(no answer)</span>' if a.done else "")
         took = f' <span class="mg-took">{esc(duration(a.seconds))}</span>' if a.done and a.seconds else ""
+        reasoning = (f'<details class="mg-reasoning"><summary>How the answer was found</summary>'
+                     f'{with_citation_chips(a.reasoning, a.used, a.pages)}</details>') if a.done and a.reasoning else ""
         out.append(
             f'<section class="mg-answer" data-state="{state}"><div class="mg-q"><span class="mg-q-label">Q</span>'
-            f'{esc(a.question)}{took}</div><div class="mg-a">{body}</div>{note}{used}</section>')
+            f'{esc(a.question)}{took}</div><div class="mg-a">{body}</div>{reasoning}{note}{used}</section>')
     return f'<div class="mg-answers">{"".join(out)}</div>'
 
 

@@ -82,7 +82,8 @@ class Sessions:
     def _answer_views(self, session_id: str, margins: list[dict]) -> list[AnswerView]:
         pages = {m["segment_index"]: (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
                  for m in margins}
-        return [AnswerView(a["question"], a["text"], a["margins_used"], pages, True, seconds=a["seconds"])
+        return [AnswerView(a["question"], a["text"], a["margins_used"], pages, True, seconds=a["seconds"],
+                           reasoning=a["reasoning"])
                 for a in reversed(self.store.answers(session_id))]
 
     def view(self, owner: str, session_id: str) -> dict:

@@ -168,6 +168,13 @@ def m005_session_server_reuse(db: sqlite_utils.Database) -> None:
     db["sessions"].add_column("server_cached_tokens", int)
 
 
+@migration
+def m006_answer_reasoning(db: sqlite_utils.Database) -> None:
+    # What an answer said before its answer ("what the notes and the document say on the question"), shown
+    # folded under it. NULL or "": an answer that did not reason first (plain reading, or one made before).
+    db["answers"].add_column("reasoning", str)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -475,12 +482,12 @@ class Store:
     # -- answers
 
     def save_answer(self, session_id: str, question: str, text: str, margins_used: list[int],
-                    seconds: float) -> int:
+                    seconds: float, reasoning: str = "") -> int:
         with self._write() as db:
             return db["answers"].insert({
                 "session_id": session_id, "question": question, "text": text,
                 "margins_used": json.dumps(list(margins_used or [])), "seconds": seconds,
-                "created": _now(),
+                "created": _now(), "reasoning": reasoning or None,
             }).last_pk
 
     def answers(self, session_id: str) -> list[dict]:
@@ -490,6 +497,7 @@ class Store:
                 "SELECT * FROM answers WHERE session_id = ? ORDER BY created, id", [session_id]))
         for row in rows:
             row["margins_used"] = _loads(row["margins_used"], [])
+            row["reasoning"] = row.get("reasoning") or ""
         return rows
 
     # -- export
@@ -518,7 +526,7 @@ class Store:
                 for m in self.margins(session_id)
             ],
             "answers": [
-                {k: a[k] for k in ("question", "text", "margins_used", "seconds", "created")}
+                {k: a[k] for k in ("question", "text", "reasoning", "margins_used", "seconds", "created")}
                 for a in self.answers(session_id)
             ],
         }
@@ -536,6 +544,8 @@ class Store:
             out += ["## Answers", ""]
             for a in data["answers"]:
                 out += [f"### {a['question']}", "", a["text"], ""]
+                if a["reasoning"]:
+                    out += [f"*How it was found: {a['reasoning']}*", ""]
                 if a["margins_used"]:
                     out += [f"*Margins used: segments {', '.join(str(i + 1) for i in a['margins_used'])}*", ""]
         out += ["## Margin notes", ""]

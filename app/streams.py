@@ -329,8 +329,9 @@ class Streams:
                     current.note = ev.text
                 elif isinstance(ev, Answer):
                     current.text, current.used, current.done = ev.text, list(ev.margins_used), True
-                    current.seconds = _now() - started
-                    self.store.save_answer(session_id, question, ev.text, current.used, round(current.seconds, 3))
+                    current.reasoning, current.seconds = ev.reasoning, _now() - started
+                    self.store.save_answer(session_id, question, ev.text, current.used, round(current.seconds, 3),
+                                           ev.reasoning)
                     if session["status"] in ("read", "answered") or session["segments_read"] >= session["segments_total"]:
                         self.store.update_session(session_id, status="answered")
                 elif isinstance(ev, Stats) and ev.stopped:

@@ -22,6 +22,10 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - question-first-sources: the question, then the copied notes, the answer and a "Sources:" line.
 - list-later:  the list, said to be in the order of the text, and "where notes disagree, the later one is the
                more recent" (at 16k the 1.5B answered "where is X" from the first of several notes on X's moves).
+- list-reason: the list, then a sentence or two on what the notes and the document say, in the order of the
+               text, before "Answer:" and the answer (the engine's default now; scored: the text after
+               "Answer:", Answer.reasoning holds the rest).
+- plain-reason: plain reading (the document and the question, no note) asked to reason the same way.
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's
 default (every note that did not say NONE), `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges
 relevant, or one whose own relevance score is at least 0.7), `embedding`: MiniLM's verdict alone, or `reader`: the
@@ -95,9 +99,15 @@ CANDIDATES = {
     "list-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}"
                   "\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few words. Where "
                   "notes disagree, the later one is the more recent.",
+    "list-reason": _LIST + "First, in one or two sentences, say what the notes and the document say on the question, "
+                           "in the order of the text. Then write \"Answer:\" and the answer in a few words, on the "
+                           "same line.",
+    # Plain reading asked to reason the same way (the document and the question, no note): what the reasoning is
+    # worth without the margins.
+    "plain-reason": "\n\nUsing the document, answer the question: {query}\nFirst, in one or two sentences, say what "
+                    "the document says on the question, in the order of the text. Then write \"Answer:\" and the "
+                    "answer in a few words, on the same line.",
 }
-
-
 SELECTIONS = ("margin", "emb-or-rel", "embedding", "reader")
 
 
@@ -208,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "plain" and reading.multiwindow:
                     continue  # plain reading past the window reads on its own (bench.eval's llm)
                 candidate, selection, style = parse(name)
-                kept = chosen[selection] if name != "plain" else []
-                started = time.perf_counter()
+                kept = chosen[selection] if name != "plain" and candidate != "plain-reason" else []
+                started, reasoned = time.perf_counter(), None
                 if candidate == "margins-only":
                     notes = {i: reading.margins[i].text for i in kept}
                     text, ending, citations = margins_only(engine, case.query, notes, case.answer_tokens), "", []
@@ -220,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       style=style))
                     answer = next(e for e in events if isinstance(e, Answer))
                     text, ending, citations = answer.text, answer.ending, answer.citations
+                    reasoned = answer.reasoning or None
                     passages, retried = answer.passages, answer.retried
                 rec = {"case": case.key, "task": case.task, "kind": case.kind, "candidate": name,
-                       "prediction": text, "ending": ending, "retried": retried,
+                       "prediction": text, "reasoning": reasoned, "ending": ending, "retried": retried,
                        "answer_retries": settings.answer_retries, "citations": citations, "seconds":
                        time.perf_counter() - started, "kept": kept, "passages": passages, "not_stated": says_not_stated(text),
                        "fingerprint": fp, **score(case, text)}

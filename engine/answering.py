@@ -82,6 +82,25 @@ def span_label(segments, first: int, last: int) -> str:
     return where
 
 
+# The words an answer that reasons first begins its answer with (engine/prompts/answer.txt asks for them).
+ANSWER_AFTER = "Answer:"
+
+
+def reasons_first(template: str) -> bool:
+    """Whether an answer prompt asks for reasoning before the answer (it names the words that begin it)."""
+    return f'"{ANSWER_AFTER}"' in template
+
+
+def split_answer(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a text that reasons before its answer: what comes before and after the first
+    "Answer:". Where it wrote none (its reasoning ran to the token cap, say), or nothing after it, all of it is
+    the answer."""
+    reasoning, marker, answer = text.partition(ANSWER_AFTER)
+    if not marker or not answer.strip():
+        return "", (reasoning if marker else text).strip()
+    return reasoning.strip(), answer.strip()
+
+
 def says_not_stated(text: str) -> bool:
     return bool(NOT_STATED.search(text))
 
@@ -186,11 +205,15 @@ class Answering:
                              f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
         else:
             ids, used = r.layout.suffix("answer_plain", query=query), []
+        # The notes' prompt asks for a sentence or two before "Answer:" (plain reading's, and the one without notes,
+        # answer at once: reasoning without notes scored below answering at once, docs/quality.md).
+        reasons = wim and reasons_first(template if template is not None else
+                                        prompt("answer" if used else "answer_no_notes"))
         end = r.cache.length
         try:
             with r.engine.lock:
                 logits = r.runner.prefill(ids, r.cache, stop)
-                result = yield from self._decode(logits, end + len(ids), stop)
+                result = yield from self._decode(logits, end + len(ids), stop, reasons)
         except Stopped:
             yield r._stats("answer", stopped=True)
             return
@@ -199,7 +222,8 @@ class Answering:
             r.cache.truncate(r.doc_end if recall else end)
         self.window.ids = self.window.ids + list(ids)
         yield from r.runner.drain()
-        text = complete_sentences(result.text, result.reason, result.retried)
+        reasoning, text = split_answer(result.text) if reasons else ("", result.text)
+        text = complete_sentences(text, result.reason, result.retried)
         if wim:  # cited by the notes that hold its words (engine/attribution.py), not by asking the model
             sure = not says_not_stated(text)
             held = in_cache or (set() if r.multiwindow else set(r.read_segments))  # the text the answer saw
@@ -207,23 +231,26 @@ class Answering:
                               lambda i: note_label(r.segments[i]), fallback=sure,
                               passages={i: r.doc.segment_text(r.segments[i]) for i in sorted(held)} if sure else None)
         yield Answer(text, used, query, result.reason, cited(text, len(r.segments)) if wim else [],
-                     list(self.window.passages), result.retried)
+                     list(self.window.passages), result.retried, reasoning)
         yield r._stats("answer")
 
-    def _decode(self, logits, question_end: int, stop) -> Iterator[Event]:
+    def _decode(self, logits, question_end: int, stop, reasons: bool = False) -> Iterator[Event]:
         """Stream the answer after the question; return its DecodeResult. An answer that reaches its token cap
         without ending a single sentence has not answered: it was copying a passage on and on (past the window,
         one copied a chapter heading and the paragraph after it). It is taken back once (where
         Settings.answer_retries lets an answer be taken back at all) and begun with its next-likeliest first
-        token; if that one runs away too, the first stands."""
+        token; if that one runs away too, the first stands. `reasons`: the prompt asked for reasoning before
+        "Answer:" (room for both, and the stops wait for the answer)."""
         r = self.reading
         room = r.limit - question_end
+        cap = r.settings.answer_room if reasons else r.settings.answer_tokens
         barred: set[int] = set()
         while True:
             result = DecodeResult()
-            for _, piece in r.runner.decode(r.cache, logits, min(r.settings.answer_tokens, room), stop,
+            for _, piece in r.runner.decode(r.cache, logits, min(cap, room), stop,
                                             r.settings.temperature, r.generator, result=result, paragraph=True,
-                                            retries=r.settings.answer_retries, barred_first=barred):
+                                            retries=r.settings.answer_retries, barred_first=barred,
+                                            answer_after=ANSWER_AFTER if reasons else None):
                 if isinstance(piece, Rewound):
                     yield AnswerToken(piece.text, restart=True)
                 elif piece:
@@ -260,7 +287,7 @@ class Answering:
         r = self.reading
         if r.settings.overflow != "group":
             return self._fit(query, notes, template, room, in_cache)
-        room -= r.settings.answer_tokens
+        room -= r.settings.answer_room
         inside = {i: t for i, t in notes.items() if i in in_cache}
         outside = {i: t for i, t in notes.items() if i not in in_cache}
         items = yield from r.fitted_notes(outside, lambda lines: self._prompt(query, lines, template), room,
@@ -285,7 +312,7 @@ class Answering:
         """The answer prompt with as many of the chosen notes as fit in `room` less the answer's own tokens."""
         r = self.reading
         return fit_notes(notes, r._note_scores(), lambda lines: self._prompt(query, lines, template),
-                         room - r.settings.answer_tokens, in_cache=in_cache,
+                         room - r.settings.answer_room, in_cache=in_cache,
                          label=lambda i: note_label(r.segments[i]))
 
     def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
@@ -295,7 +322,7 @@ class Answering:
         relevance, which a segment that said "nothing" has too)."""
         r = self.reading
         every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
-        room -= len(every_note) + r.settings.answer_tokens
+        room -= len(every_note) + r.settings.answer_room
         scores = r._note_scores()
         candidates = list(notes) or [i for i in r.margins if r.margins[i].score is not None]
         chosen, used = [], 0

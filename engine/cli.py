@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
     read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
     read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
+    read.add_argument("--reasoning-tokens", type=int, default=Settings.reasoning_tokens,
+                      help="room for the sentence or two a WiM answer writes before \"Answer:\" and the answer")
     read.add_argument("--margins", choices=MARGIN_STYLES, default=Settings.margins,
                       help="extractive: sentences copied from the text (constrained); scored: the same, chosen by "
                            "scoring every sentence; abstractive: free-form notes")
@@ -204,7 +206,8 @@ def cmd_read(args) -> int:
                          else "--query is required for a document")
     text, query, target = doc.text, doc.query, doc.target
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
-                        answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
+                        answer_tokens=args.answer_tokens, reasoning_tokens=args.reasoning_tokens,
+                        classifier=args.classifier, margins=args.margins,
                         copy_choice=args.copy_choice, notes_so_far=args.notes_so_far,
                         temperature=args.temperature, context_limit=args.context_limit,
                         window=args.window, overflow=args.overflow, answer_style=args.answer_style,

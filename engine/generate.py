@@ -185,7 +185,7 @@ class Runner:
     def decode(self, cache, logits: torch.Tensor, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
                step=None, result: DecodeResult | None = None, paragraph: bool = False,
-               retries: int = 0, barred_first: set[int] | frozenset = frozenset()
+               retries: int = 0, barred_first: set[int] | frozenset = frozenset(), answer_after: str | None = None
                ) -> Iterator[tuple[int | None, str | Rewound]]:
         """Generate up to `max_tokens` tokens after `logits`; yield (token_id, new_text) as each is chosen.
         `barred_first`: tokens the text may not begin with.
@@ -195,6 +195,8 @@ class Runner:
         it meters its own time; tokens are counted here). Decoding stops early when the last REPEAT_NGRAM tokens
         already occurred (a loop: the repeated tail is left out of `result`) and, with `paragraph`, at the end of
         the first paragraph (a blank line: a short answer is over; a list, one item a line, is not).
+        `answer_after`: the words that begin the answer after the reasoning before it ("Answer:"); the paragraph
+        stop waits for them, and the loop check starts again there (the answer repeats the reasoning's words).
 
         `retries` (not with `step`): a loop is taken back up to this many times instead: the cache is cut back to
         where the loop began, the token that began it is barred there, and decoding goes on with the next-best
@@ -202,7 +204,7 @@ class Runner:
         Rewound(text))` tells the caller the text kept. `result` receives the kept tokens, their text, the reason
         it ended and the loops taken back."""
         result = result if result is not None else DecodeResult()
-        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
+        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops, answer_after)
         start, first_logits = cache.length, logits
         barred: dict[int, set[int]] = {0: set(barred_first)} if barred_first else {}  # position -> tokens barred
         while len(ending.ids) < max_tokens:  # ends: each loop taken back is one of `retries`
@@ -256,26 +258,34 @@ class Ending:
     """Where free-form text ends, token by token (both the local and the server runner decode through it):
     a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped; citation tags do not count, but the same
     citation twice in a row with no words between is a loop) or, with `paragraph`, a blank line after some
-    text. `add` returns the new text to show, or None once the text is over; `close` fills `result`."""
+    text. With `answer_after` ("Answer:"), text that reasons before its answer: the paragraph stop applies only
+    after those words, and the loop check forgets the reasoning there. `add` returns the new text to show, or None
+    once the text is over; `close` fills `result`."""
 
-    def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True):
+    def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True,
+                 answer_after: str | None = None):
         self.tokenizer, self.result, self.paragraph, self.repeat = tokenizer, result, paragraph, repeat
+        self.answer_after = answer_after
+        self.answer_from = None if answer_after else 0  # where the answer begins in `decoded`, once it has
         self.ids: list[int] = []
         self.text = ""  # the text shown so far
         self.decoded = ""  # the text of all of `ids` (may end in half a character)
+        self._forget_loops()
+        self.cut: list[int] = []  # the tokens a loop's cut dropped, the first of which began the loop
+        result.reason = "limit"
+
+    def _forget_loops(self) -> None:
         self.checked: list[int] = []  # positions in `ids` the loop check has seen, in order: text, not citations
         self.seen: dict[tuple[int, ...], int] = {}
         self.bracket: list[int] = []  # positions of the tokens of a bracket still open, not yet judged
         self.bracket_from = 0  # where that bracket starts in `decoded`
         self.last_citation, self.words_since_citation = "", 0
-        self.cut: list[int] = []  # the tokens a loop's cut dropped, the first of which began the loop
-        result.reason = "limit"
 
     def restart(self) -> str:
         """After a loop's cut: the check's state as if only the kept `ids` had been added (the loop's n-grams
         forgotten); returns their text."""
         ids, result, reason = self.ids, self.result, self.result.reason
-        self.__init__(self.tokenizer, result, self.paragraph, self.repeat)
+        self.__init__(self.tokenizer, result, self.paragraph, self.repeat, self.answer_after)
         for token in ids:
             self.add(token)
         result.reason = reason
@@ -287,10 +297,13 @@ class Ending:
         ids.append(token)
         before = len(self.decoded)
         full = self.decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.answer_from is None and self.answer_after in full:
+            self.answer_from = full.index(self.answer_after) + len(self.answer_after)
+            self._forget_loops()  # only the answer's own repeats count from here
         if self.repeat and self._loops(full, before):
             self.result.reason = "repeat"
             return None
-        if self.paragraph and "\n\n" in full.strip():
+        if self.paragraph and self.answer_from is not None and "\n\n" in full[self.answer_from:].strip():
             ids.pop()
             self.result.reason = "paragraph"
             return None

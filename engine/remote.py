@@ -250,7 +250,8 @@ class RemoteRunner:
     def decode(self, cache: TokenListCache, logits, max_tokens: int, stop: threading.Event | None = None,
                temperature: float = 0.0, generator: torch.Generator | None = None,
                step=None, result: DecodeResult | None = None, paragraph: bool = False,
-               retries: int = 0, barred_first: set[int] | frozenset = frozenset()) -> Iterator[tuple[int, str]]:
+               retries: int = 0, barred_first: set[int] | frozenset = frozenset(), answer_after: str | None = None
+               ) -> Iterator[tuple[int, str]]:
         """One streamed completions request for the whole note; yields (token_id, new_text) as they arrive.
         It ends where the local decode would (generate.Ending: a loop, the end of a paragraph): leaving the
         stream early closes it, and the server aborts the request. A loop is not taken back (`retries` and
@@ -271,7 +272,7 @@ class RemoteRunner:
         if temperature > 0:
             body["seed"] = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         result = result if result is not None else DecodeResult()
-        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops)
+        ending = Ending(self.tokenizer, result, paragraph and self.early_stops, self.early_stops, answer_after)
         usage: dict = {}
         started = time.perf_counter()
         first_token_at = None

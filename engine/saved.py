@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 SAVED = "reading.json"
 # Settings that shape only the answers, not what a read leaves in the cache: a saved read is taken up whatever
 # they say (and the saves made before they existed keep their fingerprint).
-ANSWER_ONLY = ("answer_retries",)
+ANSWER_ONLY = ("answer_retries", "reasoning_tokens")
 # Settings added later, with the value that reads as before: at that value they leave the fingerprint as it was,
 # so the saves made before they existed are still taken up.
 ADDED = {"notes_so_far": False}

@@ -150,8 +150,9 @@ def test_everything_from_documents_is_escaped():
     assert "<script" not in panel and "<img" not in panel
     segment = render.segment_html("before " + evil + " after", 7, 7 + len(evil), 0, 1)
     assert "<script" not in segment and "&lt;img src=x" in segment
-    answers = render.answers_html([render.AnswerView(evil, evil, [0], {0: (4, 4)})])
-    assert "<script" not in answers and "Segment 1 · p. 4" in answers
+    answers = render.answers_html([render.AnswerView(evil, evil, [0], {0: (4, 4)}, reasoning=evil + " [segment 1]")])
+    assert "<script" not in answers and "<img" not in answers and "Segment 1 · p. 4" in answers
+    assert "How the answer was found" in answers
     doc = render.document_html(evil, "txt", evil, None, 10, 5, 1, 64, 3.0, problem=evil)
     assert "<script" not in doc and "<img" not in doc
     assert "<script" not in render.notice_html(evil) and "<script" not in render.header_html({"name": evil})

@@ -411,11 +411,12 @@ def test_a_copy_is_chosen_by_its_opening_not_its_first_token(engine):
     assert _run_writer(Extractive(tok, {end}, 64), ServerScratch(), [1, 2, 3], pieces).text.startswith("The ")
 
 
-def written_through_ending(tokenizer, text: str) -> DecodeResult:
+def written_through_ending(tokenizer, text: str, paragraph: bool = False, answer_after: str | None = None
+                           ) -> DecodeResult:
     """`text` fed token by token through generate.Ending, as a decode would write it: where it ends, and why."""
     from engine.generate import Ending
     result = DecodeResult()
-    ending = Ending(tokenizer, result)
+    ending = Ending(tokenizer, result, paragraph, True, answer_after)
     for token in tokenizer.encode(text, add_special_tokens=False):
         if ending.add(token) is None:
             break
@@ -469,3 +470,21 @@ def test_a_note_never_copies_a_running_line(engine):
     assert any("must receive comments" in t for t in texts)
     every = [p.text for p in pieces_of(doc.text, 0, pdf.page_starts[2], engine.lm.tokenizer, 96)]
     assert any("VerDate" in t for t in every)  # without the running lines given, they would be copyable
+
+
+def test_an_answer_after_its_reasoning_may_repeat_the_reasoning(engine):
+    """An answer that reasons first repeats the reasoning's words after "Answer:": no loop. The answer's own
+    repeats still are one, and the paragraph stop waits for the answer."""
+    def written(text: str, answer_after: str | None = "Answer:") -> DecodeResult:
+        return written_through_ending(engine.lm.tokenizer, text, paragraph=True, answer_after=answer_after)
+
+    reasoned = ("The notes say John moved to the bathroom [segment 6] and journeyed to the hallway [segment 16].\n\n"
+                "Answer: John journeyed to the hallway [segment 16].")
+    assert written(reasoned).text == reasoned and written(reasoned).reason == "limit"
+    # Without the answer's words the same text ends at its blank line, as any answer does.
+    assert written(reasoned, None).reason == "paragraph"
+    looped = written("The notes say Mary went to the garden. Answer: Mary went to the garden. Mary went to the "
+                     "garden. Mary went")
+    assert looped.reason == "repeat" and looped.text.count("garden") == 2
+    after = written("The notes say it. Answer: the garden.\n\nThe notes say")
+    assert after.reason == "paragraph" and after.text.rstrip() == "The notes say it. Answer: the garden."

@@ -247,3 +247,18 @@ def test_exports(store):
         assert piece in md, piece
     with pytest.raises(KeyError):
         store.export_markdown("no-such-session")
+
+
+def test_an_answer_keeps_its_reasoning_and_older_answers_read_without_one(path):
+    """What an answer said before "Answer:" is stored beside it and exported; an answer saved without one
+    (plain reading, or saved before the column existed) reads as ''."""
+    store = Store(path)
+    sid = new_session(store)
+    store.save_answer(sid, "Where is John?", "The kitchen [segment 15].", [5, 14], 2.0,
+                      "The notes say John went to the office [segment 6], then to the kitchen [segment 15].")
+    store.save_answer(sid, "Who is Ahab?", "The captain.", [], 1.0)
+    first, second = store.answers(sid)
+    assert first["reasoning"].startswith("The notes say John went") and second["reasoning"] == ""
+    assert [a["reasoning"] for a in store.export_json(sid)["answers"]] == [first["reasoning"], ""]
+    assert "*How it was found: The notes say John went" in store.export_markdown(sid)
+    assert "m006_answer_reasoning" in applied(path)
