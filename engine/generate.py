@@ -27,6 +27,9 @@ class Stopped(Exception):
 
 
 REPEAT_NGRAM = 4  # free-form text stops when its last 4 tokens already occurred in it: a loop has begun
+# Reasoning before an answer names the same things again ("Marbor Vennetis's sister is called Quatisashe. The
+# document states that Marbor Vennetis's sister lives in ..."): there only a repeat of this many tokens is a loop.
+REASONING_NGRAM = 16
 # Tokens per forward pass of a prefill. A pass's activations grow with its token count (hidden states and MLP
 # rows, and the [tokens x context] mask once the cache is not empty), so a long segment is fed in pieces of
 # this size and the memory beside weights and KV stays bounded whatever --segment-tokens says. 512 rows keep
@@ -259,7 +262,8 @@ class Ending:
     a repeated REPEAT_NGRAM (a loop: the repeated tail is dropped; citation tags do not count, but the same
     citation twice in a row with no words between is a loop) or, with `paragraph`, a blank line after some
     text. With `answer_after` ("Answer:"), text that reasons before its answer: the paragraph stop applies only
-    after those words, and the loop check forgets the reasoning there. `add` returns the new text to show, or None
+    after those words, a loop in the reasoning is a repeated REASONING_NGRAM, and the loop check forgets the
+    reasoning where the answer begins. `add` returns the new text to show, or None
     once the text is over; `close` fills `result`."""
 
     def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True,
@@ -299,7 +303,7 @@ class Ending:
         full = self.decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
         if self.answer_from is None and self.answer_after in full:
             self.answer_from = full.index(self.answer_after) + len(self.answer_after)
-            self._forget_loops()  # only the answer's own repeats count from here
+            self._forget_loops()  # only the answer's own repeats count from here, REPEAT_NGRAM long
         if self.repeat and self._loops(full, before):
             self.result.reason = "repeat"
             return None
@@ -344,15 +348,16 @@ class Ending:
         checked.append(position)
         if any(ch.isalnum() for ch in self.tokenizer.decode([ids[position]])):
             self.words_since_citation += 1
-        if len(checked) < REPEAT_NGRAM:
+        n = REPEAT_NGRAM if self.answer_from is not None else REASONING_NGRAM
+        if len(checked) < n:
             return False
-        gram = tuple(ids[p] for p in checked[-REPEAT_NGRAM:])
+        gram = tuple(ids[p] for p in checked[-n:])
         if gram not in self.seen:
             self.seen[gram] = len(checked)
             return False
         tokens = [ids[p] for p in checked]
         period = len(tokens) - self.seen[gram]
-        start = len(tokens) - REPEAT_NGRAM
+        start = len(tokens) - n
         while start - 1 - period >= 0 and tokens[start - 1] == tokens[start - 1 - period]:
             start -= 1
         self._cut(checked[start])

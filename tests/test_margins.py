@@ -481,6 +481,12 @@ def test_an_answer_after_its_reasoning_may_repeat_the_reasoning(engine):
     reasoned = ("The notes say John moved to the bathroom [segment 6] and journeyed to the hallway [segment 16].\n\n"
                 "Answer: John journeyed to the hallway [segment 16].")
     assert written(reasoned).text == reasoned and written(reasoned).reason == "limit"
+    # The reasoning names the same things again (a multihop case's, at 16k): only a longer repeat is a loop there.
+    restated = ("The notes say Marbor Vennetis's sister is called Quatisashe [segment 3]. The document states that "
+                "Marbor Vennetis's sister lives in the city of Lenlencal. Answer: Lenlencal")
+    assert written(restated).text == restated
+    circling = "The notes say the ledger lists a thimble, a compass and a kettle [segment 12], " * 3
+    assert written(circling).reason == "repeat" and written(circling).text.count("thimble") == 1
     # Without the answer's words the same text ends at its blank line, as any answer does.
     assert written(reasoned, None).reason == "paragraph"
     looped = written("The notes say Mary went to the garden. Answer: Mary went to the garden. Mary went to the "
