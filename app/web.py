@@ -727,7 +727,8 @@ def add_api(service: Service) -> None:
 
     def api_answer(owner, session_id, question):
         """Answer a question about a session read before, from the margins kept (the reader's marks, else the
-        classifier's verdicts). Returns {session_id, question, answer, margins_used (segment indexes, from 0)}."""
+        classifier's verdicts). Returns {session_id, question, answer, reasoning (what the answer said before it;
+        "" for none), margins_used (segment indexes, from 0), seconds}."""
         try:
             owner = api_owner(owner)
             job = service.start_answer(owner, session_id, question)
@@ -739,7 +740,7 @@ def add_api(service: Service) -> None:
                 raise UserError("No answer was written.")
             a = answers[-1]
             return {"session_id": session_id, "question": a["question"], "answer": a["text"],
-                    "margins_used": a["margins_used"], "seconds": a["seconds"]}
+                    "reasoning": a["reasoning"], "margins_used": a["margins_used"], "seconds": a["seconds"]}
         except UserError as e:
             raise gr.Error(str(e)) from e
 

@@ -48,6 +48,7 @@ def test_read_then_answer(client, opening):
     answer = client.predict(result["owner"], result["session_id"], "Who does the family want to marry?",
                             api_name="/answer")
     assert answer["session_id"] == result["session_id"] and answer["answer"].strip()
+    assert isinstance(answer["reasoning"], str)
     kept = [m["segment"] for m in result["margins"] if m["relevant"] and m["text"]]
     assert answer["margins_used"] == kept
 

@@ -234,7 +234,7 @@ def test_exports(store):
     m0, m1 = data["margins"]
     assert (m0["verdict"], m0["mark"], m0["effective"], m0["page_start"]) == (False, True, True, 1)
     assert (m1["verdict"], m1["mark"], m1["page_start"], m1["page_end"]) == (True, None, 2, 3)
-    assert data["answers"] == [{"question": "Who is Ahab?", "text": "The one-legged captain.",
+    assert data["answers"] == [{"question": "Who is Ahab?", "text": "The one-legged captain.", "reasoning": "",
                                 "margins_used": [0, 1], "seconds": 3.2,
                                 "created": data["answers"][0]["created"]}]
 
