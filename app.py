@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
+    p.add_argument("--reasoning-tokens", type=int,
+                   default=_env_int("MARGINALIA_REASONING_TOKENS", Settings.reasoning_tokens),
+                   help="above 0: an answer first says what the notes and the document say (up to this many "
+                        "tokens), shown folded under it [env MARGINALIA_REASONING_TOKENS, default 0: off]")
     p.add_argument("--classifier", choices=CLASSIFIERS,
                    default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier),
                    help="combined: MiniLM, or a note sure of itself; margin: relevance from the note itself; llm: "
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     # Off a mount where SQLite is not safe, the database goes to local disk and a copy of it is kept on the mount.
     store, backup = open_database(data_dir, DATA, interval=_env_int("MARGINALIA_BACKUP_SECONDS", 30))
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
-                        args.context_limit, args.margins)
+                        args.context_limit, args.margins, args.reasoning_tokens)
     service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype,
                                                                    decode_weights=args.decode_weights),
                       data_dir=data_dir)

@@ -35,6 +35,7 @@ class Defaults:
     classifier: str = Settings.classifier
     context_limit: int | None = None  # cap on the tokens a reading's cache may hold (None: the model's window)
     margins: str = Settings.margins   # extractive | scored | abstractive
+    reasoning_tokens: int = Settings.reasoning_tokens  # above 0: the answer first says what the notes say
 
 
 def remember(cache: OrderedDict, key, value, most: int, lock):
@@ -57,7 +58,7 @@ class Documents:
                             margin_tokens=int(margin_tokens or d.margin_tokens),
                             answer_tokens=int(answer_tokens or d.answer_tokens),
                             classifier=classifier or d.classifier, context_limit=d.context_limit,
-                            margins=margins or d.margins).validate()
+                            margins=margins or d.margins, reasoning_tokens=d.reasoning_tokens).validate()
         except (TypeError, ValueError) as e:
             raise UserError(f"Those settings don't work: {e}") from e
 

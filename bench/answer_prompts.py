@@ -23,8 +23,8 @@ reading order, each tagged with its segment and page ("- [segment 3, page 2] ...
 - list-later:  the list, said to be in the order of the text, and "where notes disagree, the later one is the
                more recent" (at 16k the 1.5B answered "where is X" from the first of several notes on X's moves).
 - list-reason: the list, then a sentence or two on what the notes and the document say, in the order of the
-               text, before "Answer:" and the answer (the engine's default now; scored: the text after
-               "Answer:", Answer.reasoning holds the rest).
+               text, before "Answer:" and the answer (engine/prompts/answer_reasoned.txt, Settings.reasoning_tokens;
+               scored: the text after "Answer:", Answer.reasoning holds the rest).
 - plain-reason: plain reading (the document and the question, no note) asked to reason the same way.
 Each prompt answers from the notes of one selection (`--candidates PROMPT+SELECTION`): `margin`, the engine's
 default (every note that did not say NONE), `emb-or-rel`: the engine's `combined` classifier (a note MiniLM judges
@@ -99,9 +99,7 @@ CANDIDATES = {
     "list-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}"
                   "\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few words. Where "
                   "notes disagree, the later one is the more recent.",
-    "list-reason": _LIST + "First, in one or two sentences, say what the notes and the document say on the question, "
-                           "in the order of the text. Then write \"Answer:\" and the answer in a few words, on the "
-                           "same line.",
+    "list-reason": prompt("answer_reasoned"),  # Settings.reasoning_tokens' prompt
     # Plain reading asked to reason the same way (the document and the question, no note): what the reasoning is
     # worth without the margins.
     "plain-reason": "\n\nUsing the document, answer the question: {query}\nFirst, in one or two sentences, say what "
@@ -167,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-retries", type=int, default=None, metavar="N",
                         help="loops an answer may take back (default: the engine's Settings.answer_retries); 0: an "
                              "answer ends where it begins to loop, as before that setting")
+    parser.add_argument("--reasoning-tokens", type=int, default=160,
+                        help="room for a reasoning candidate's reasoning (list-reason, plain-reason; "
+                             "Settings.reasoning_tokens); the other candidates answer at once")
     parser.add_argument("--out", type=Path, default=RESULTS / "answer_prompts")
     parser.add_argument("--reads", type=Path, default=None, metavar="DIR",
                         help="keep each case's read here (its cache and notes, engine/saved.py) and take it up "
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t = time.perf_counter()
         settings = evaluator.settings(case, "wim")
+        settings = dataclasses.replace(settings, reasoning_tokens=args.reasoning_tokens)
         if args.answer_retries is not None:
             settings = dataclasses.replace(settings, answer_retries=args.answer_retries)
         reading = engine.open(case.text, settings)

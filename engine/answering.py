@@ -82,7 +82,7 @@ def span_label(segments, first: int, last: int) -> str:
     return where
 
 
-# The words an answer that reasons first begins its answer with (engine/prompts/answer.txt asks for them).
+# The words an answer that reasons first begins its answer with (engine/prompts/answer_reasoned.txt asks for them).
 ANSWER_AFTER = "Answer:"
 
 
@@ -205,10 +205,9 @@ class Answering:
                              f"of the answer: {', '.join(str(i + 1) for i in dropped)}.")
         else:
             ids, used = r.layout.suffix("answer_plain", query=query), []
-        # The notes' prompt asks for a sentence or two before "Answer:" (plain reading's, and the one without notes,
-        # answer at once: reasoning without notes scored below answering at once, docs/quality.md).
-        reasons = wim and reasons_first(template if template is not None else
-                                        prompt("answer" if used else "answer_no_notes"))
+        # Settings.reasoning_tokens asks the notes' prompt for a sentence or two before "Answer:" (plain reading's,
+        # and the one without notes, answer at once: reasoning without notes scored below answering at once).
+        reasons = wim and reasons_first(template if template is not None else self._template(bool(used)))
         end = r.cache.length
         try:
             with r.engine.lock:
@@ -243,7 +242,7 @@ class Answering:
         "Answer:" (room for both, and the stops wait for the answer)."""
         r = self.reading
         room = r.limit - question_end
-        cap = r.settings.answer_room if reasons else r.settings.answer_tokens
+        cap = self.answer_room(reasons)
         barred: set[int] = set()
         while True:
             result = DecodeResult()
@@ -287,7 +286,7 @@ class Answering:
         r = self.reading
         if r.settings.overflow != "group":
             return self._fit(query, notes, template, room, in_cache)
-        room -= r.settings.answer_room
+        room -= self.answer_room(self._reasons(template))
         inside = {i: t for i, t in notes.items() if i in in_cache}
         outside = {i: t for i, t in notes.items() if i not in in_cache}
         items = yield from r.fitted_notes(outside, lambda lines: self._prompt(query, lines, template), room,
@@ -298,13 +297,30 @@ class Answering:
                                        in_cache=set(inside), label=r.group_writing.label(items))
         return ids, items.members(used), items.members(dropped)
 
+    def answer_room(self, reasons: bool) -> int:
+        """Tokens an answer may take: the answer, and before it, where its prompt asks for reasoning,
+        Settings.reasoning_tokens of it, at most a 16th of the window (in a small one the notes and passages need
+        the room more)."""
+        s = self.reading.settings
+        return s.answer_tokens + (min(s.reasoning_tokens, self.reading.limit // 16) if reasons else 0)
+
+    def _reasons(self, template: str | None) -> bool:
+        """Whether the answer prompt with notes (`template`, else the default) asks for reasoning first."""
+        return reasons_first(template if template is not None else self._template(True))
+
+    def _template(self, with_notes: bool) -> str:
+        """The answer prompt's text: with notes, reasoning first where Settings.reasoning_tokens asks for it."""
+        if not with_notes:
+            return prompt("answer_no_notes")
+        return prompt("answer_reasoned" if self.reading.settings.reasoning_tokens else "answer")
+
     def _prompt(self, query: str, lines: str, template: str | None) -> list[int]:
         r = self.reading
         if template is None:
             # No note kept: the margins found nothing on the question, which is evidence the document may not
             # answer it, so this prompt (and only this one) lets the answer say so. Asked of every answer, the
             # 1.5B said "does not say" to 4-5 of 8-12 answerable questions (seed 1, 16k: docs/quality.md).
-            template = prompt("answer" if lines else "answer_no_notes")
+            template = self._template(bool(lines))
         return r.layout.encode(r.layout.closing + template.format(query=query, margins=lines or "(none)")
                                + r.layout.turn_end)
 
@@ -312,7 +328,7 @@ class Answering:
         """The answer prompt with as many of the chosen notes as fit in `room` less the answer's own tokens."""
         r = self.reading
         return fit_notes(notes, r._note_scores(), lambda lines: self._prompt(query, lines, template),
-                         room - r.settings.answer_room, in_cache=in_cache,
+                         room - self.answer_room(self._reasons(template)), in_cache=in_cache,
                          label=lambda i: note_label(r.segments[i]))
 
     def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
@@ -322,7 +338,7 @@ class Answering:
         relevance, which a segment that said "nothing" has too)."""
         r = self.reading
         every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
-        room -= len(every_note) + r.settings.answer_room
+        room -= len(every_note) + self.answer_room(self._reasons(template))
         scores = r._note_scores()
         candidates = list(notes) or [i for i in r.margins if r.margins[i].score is not None]
         chosen, used = [], 0

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
     read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
     read.add_argument("--reasoning-tokens", type=int, default=Settings.reasoning_tokens,
-                      help="room for the sentence or two a WiM answer writes before \"Answer:\" and the answer")
+                      help="above 0: a WiM answer first says what the notes and the document say (this many "
+                           "tokens at most), then \"Answer:\" and the answer")
     read.add_argument("--margins", choices=MARGIN_STYLES, default=Settings.margins,
                       help="extractive: sentences copied from the text (constrained); scored: the same, chosen by "
                            "scoring every sentence; abstractive: free-form notes")

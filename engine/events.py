@@ -100,7 +100,7 @@ class Answer(Event):
     citations: list[int] = field(default_factory=list)  # segments the answer cites ("[segment 12]"), 0-based
     passages: list[int] = field(default_factory=list)   # past the window: segments re-read for the answer
     retried: int = 0          # loops taken back on the way (Settings.answer_retries)
-    reasoning: str = ""       # what the answer said before "Answer:" (the notes' prompt asks for it first)
+    reasoning: str = ""       # what the answer said before "Answer:" (where Settings.reasoning_tokens asks for it)
 
 
 @dataclass(frozen=True)

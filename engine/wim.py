@@ -53,10 +53,11 @@ class Settings:
     margins: str = "extractive"        # extractive (copied sentences, constrained) | scored | abstractive
     margin_tokens: int = 96            # longest margin note
     answer_tokens: int = 128           # longest answer
-    # Room for the sentence or two the answer prompt asks for before "Answer:" (what the notes and the document
-    # say, in the order of the text), beyond answer_tokens: on the tuning seed at 16k such answers scored 0.600
-    # against 0.418 for answering at once (docs/quality.md). Plain reading and RAG answer at once.
-    reasoning_tokens: int = 160
+    # Above 0, a WiM answer with notes first says in a sentence or two what the notes and the document say on the
+    # question, then "Answer:" and the answer (engine/prompts/answer_reasoned.txt), with this much room for that
+    # (at most a 16th of the window) beyond answer_tokens. Not the default: on the tuning seed at 16k it scored
+    # 0.599 against 0.418, but four of its seven gains named the right answer beside wrong ones (docs/quality.md).
+    reasoning_tokens: int = 0
     # An answer that begins to loop (a list come round to its first item again) is taken back to where the loop
     # began and goes on with the next-best token there, at most this many times; then it ends before the loop.
     answer_retries: int = 3
@@ -119,11 +120,6 @@ class Settings:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @property
-    def answer_room(self) -> int:
-        """Tokens a WiM answer may take: its reasoning and the answer after it."""
-        return self.answer_tokens + self.reasoning_tokens
 
     @property
     def margin_prompt(self) -> str:

@@ -122,7 +122,8 @@ def test_a_date_is_cited_by_a_note_holding_more_than_its_year():
 def test_an_answer_that_reasons_first_is_split_at_its_answer():
     """The notes' prompt asks for a sentence or two, then "Answer:" and the answer: the answer is what follows;
     where none follows (the reasoning ran to the cap), all of it is the answer."""
-    assert reasons_first(prompt("answer")) and not reasons_first(prompt("answer_no_notes"))
+    assert reasons_first(prompt("answer_reasoned"))
+    assert not reasons_first(prompt("answer")) and not reasons_first(prompt("answer_no_notes"))
     said = "The notes say John went to the office [segment 6], then to the kitchen [segment 15]. Answer: the kitchen"
     assert split_answer(said) == ("The notes say John went to the office [segment 6], then to the kitchen "
                                   "[segment 15].", "the kitchen")

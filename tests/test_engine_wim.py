@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -132,6 +133,39 @@ def test_follow_up_reuses_cache_and_human_selection(engine):
     assert [e for e in none if isinstance(e, Answer)][0].margins_used == []
     assert reading.answering.window.ids == engine.layout.suffix("answer_no_notes", query="What is the name of Alice's cat?")
     assert stats.prefill_tokens == len(reading.answering.window.ids) and reading.cache.length == doc_end
+
+
+def test_an_answer_asked_to_reason_first_keeps_its_reasoning_apart(engine):
+    """Settings.reasoning_tokens asks the notes' prompt for what the notes say, then "Answer:" and the answer:
+    the prompt fed is answer_reasoned's, and the decoded text is split there (Answer.reasoning, Answer.text);
+    by default the prompt is the direct one and nothing is split."""
+    from engine.answering import split_answer
+    from engine.attribution import without_citations
+    from engine.events import AnswerToken
+    question, note = "What is the name of Alice's cat?", {0: "Alice's cat is Dinah."}
+    reading = engine.open(_chapter(), replace(SMALL, reasoning_tokens=48))
+    list(reading.read(question))
+    events = list(reading.answer(question, margins=note))
+    answer = next(e for e in events if isinstance(e, Answer))
+    assert reading.answering.window.ids == engine.layout.suffix("answer_reasoned", query=question,
+                                                                margins="- [segment 1] Alice's cat is Dinah.")
+    streamed = ""
+    for e in events:
+        if isinstance(e, AnswerToken):
+            streamed = e.text if e.restart else streamed + e.text
+    reasoning, said = split_answer(streamed)
+
+    def words(text: str) -> list[str]:  # citations written afterwards, the text cut at its last sentence
+        return re.findall(r"\w+", without_citations(text))
+
+    assert answer.reasoning == reasoning and words(answer.text) == words(said)[:len(words(answer.text))]
+    assert words(answer.text)
+    assert reading.cache.length == reading.doc_end
+    plain = engine.open(_chapter(), SMALL)
+    list(plain.read(question))
+    assert next(e for e in plain.answer(question, margins=note) if isinstance(e, Answer)).reasoning == ""
+    assert plain.answering.window.ids == engine.layout.suffix("answer", query=question,
+                                                              margins="- [segment 1] Alice's cat is Dinah.")
 
 
 def test_combined_classifier_keeps_what_minilm_or_the_note_itself_keeps(engine):

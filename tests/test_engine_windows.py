@@ -271,7 +271,7 @@ def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_the
     last = reading.windows[-1].segments
     order = last + [i for i in range(n) if i not in last and i % 2 == 0] + [i for i in range(n) if i not in last and i % 2]
     assert set(dropped) == set(order[:len(dropped)])
-    assert len(ids) <= reading.limit - reading.doc_end - reading.settings.answer_tokens
+    assert len(ids) <= reading.limit - reading.doc_end - reading.answering.answer_room(False)
 
 
 def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed, tmp_path):
