@@ -263,8 +263,8 @@ class Ending:
     citation twice in a row with no words between is a loop) or, with `paragraph`, a blank line after some
     text. With `answer_after` ("Answer:"), text that reasons before its answer: the paragraph stop applies only
     after those words, a loop in the reasoning is a repeated REASONING_NGRAM, and the loop check forgets the
-    reasoning where the answer begins. `add` returns the new text to show, or None
-    once the text is over; `close` fills `result`."""
+    reasoning where the answer begins. `add` returns the new text to show, or None once the text is over;
+    `close` fills `result`."""
 
     def __init__(self, tokenizer, result: DecodeResult, paragraph: bool = False, repeat: bool = True,
                  answer_after: str | None = None):
