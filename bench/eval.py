@@ -107,13 +107,30 @@ def list_score(prediction: str, gold: list[str]) -> dict:
     return {"precision": precision, "recall": recall, "score": f1}
 
 
+# The places bAbI qa1 and qa2 answer with (BABILong's TASK_LABELS for them, booydar/babilong babilong/metrics.py).
+BABILONG_LABELS = ("bathroom", "bedroom", "garden", "hallway", "kitchen", "office")
+
+
+def babilong_score(prediction: str, answers: list[str], question: str) -> dict:
+    """BABILong's own check (its `compare_answers`): the answer's first sentence names the gold place and no
+    other of the task's places (a place the question names aside). Containment alone credits an answer that
+    lists every room the person went to; `contained` keeps that looser verdict beside it."""
+    first = prediction.lower().split(".")[0]
+    asked = {label for label in BABILONG_LABELS if label in question.lower()}
+    named = {label for label in BABILONG_LABELS if label in first} - asked
+    right = len(named) == 1 and any(a.lower() in named for a in answers)
+    return {**short_score(prediction, answers), "score": float(right)}
+
+
 def score(case: Case, prediction: str) -> dict:
     """The answer's words scored (its citations, "[segment 3]", are not part of them); an unanswerable case is
-    right when the answer says the document does not say."""
+    right when the answer says the document does not say; a BABILong case by BABILong's own check."""
     words = without_citations(prediction)
     if case.kind == "unanswerable":
         right = says_not_stated(words)
         return {"exact": right, "contained": right, "score": float(right)}
+    if case.task in ("babilong", "babilong-sample"):
+        return babilong_score(words, case.answers, case.query)
     return list_score(words, case.answers) if case.kind == "list" else short_score(words, case.answers)
 
 
@@ -383,7 +400,8 @@ def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
             rows.append({"task": task, "length": length or "sample", "mode": mode, "n": n, "score": mean,
                          "lo": lo, "hi": hi, "metric": {"list": "set F1 (bootstrap 95%)",
                                                          "unanswerable": "answered not stated (Wilson 95%)"}.get(
-                             kind, "contained match (Wilson 95%)"),
+                             kind, "BABILong's check (Wilson 95%)" if task.startswith("babilong")
+                             else "contained match (Wilson 95%)"),
                          "exact": (sum(r.get("exact", False) for r in got) / n) if n and kind != "list" else None,
                          "seconds": sum(r["seconds"] for r in got) / n if n else None})
     # Overall, per length: the cases of the scored tasks (not the fixed samples, not the unanswerable questions,
@@ -460,7 +478,8 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         f"tokens, a context limit of {meta.get('context_limit') or 'the model window'} tokens, "
         f"greedy decoding; seed {meta['seed']}. n = cases per cell.\n",
         "Scores: short answers by contained match (a gold answer's normalised words appear in the answer; "
-        "exact matches count) with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
+        "exact matches count), babilong by BABILong's own check (the answer's first sentence names the gold place "
+        "and no other), each with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
         "bootstrap interval. wim-margin / wim-llm / wim-embedding / wim-none: WiM answering with the margins each "
         "classifier keeps (margin: the note's own relevance; none: all margins); margins-only: the notes the "
         f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document"

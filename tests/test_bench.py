@@ -180,6 +180,40 @@ def test_scoring():
     assert wilson(0, 10)[0] == 0 and bootstrap([1.0] * 5) == (1.0, 1.0)
 
 
+def test_babilong_check():
+    """BABILong's own check: the first sentence names the gold place and no other (the question's aside)."""
+    from bench.eval import babilong_score, score
+    from bench.tasks import Case
+    q = "Where is Daniel?"
+    assert babilong_score("Daniel is in the garden.", ["garden"], q)["score"] == 1
+    moves = babilong_score("Daniel went to the bedroom and the garden.", ["garden"], q)
+    assert moves["score"] == 0 and moves["contained"]   # two places named: wrong, though the gold one is among them
+    assert babilong_score("The garden. Earlier he was in the kitchen.", ["garden"], q)["score"] == 1
+    assert babilong_score("Daniel is not mentioned.", ["garden"], q)["score"] == 0
+    assert babilong_score("From the kitchen to the hallway", ["hallway"], "Where was the milk before the kitchen?"
+                          )["score"] == 1
+    case = Case("babilong", 16000, 0, "", q, ["garden"])
+    assert score(case, "Daniel went to the bedroom [segment 3] and the garden [segment 9].")["score"] == 0
+    assert score(case, "Daniel is in the garden [segment 9].")["score"] == 1
+
+
+def test_rescore_an_eval_folder(tmp_path):
+    """bench.rescore scores a folder's recorded answers again, and --write leaves eval.md's table beside them."""
+    from bench.rescore import main
+    record = {"mode": "wim-combined", "prediction": "Daniel went to the bedroom and the garden [segment 6].",
+              "score": 1.0, "exact": False, "contained": True, "seconds": 1.0}
+    plain = {**record, "mode": "llm", "prediction": "Daniel is in the garden."}
+    meta = {"model": "m", "dtype": "bfloat16", "lengths": [24000], "segments": 8, "max_segment_tokens": 1024,
+            "margin_tokens": 64, "context_limit": 8192, "seed": 0, "tasks": ["babilong"],
+            "modes": ["wim-combined", "llm"]}
+    cases = [{"case": "babilong/24000/4", "task": "babilong", "length": 24000, "query": "Where is Daniel?",
+              "answers": ["garden"], "info": {}, "records": {"wim-combined": record, "llm": plain}}]
+    (tmp_path / "eval.json").write_text(json.dumps({"meta": meta, "cases": cases}))
+    assert main(["--write", str(tmp_path)]) == 0
+    rescored = (tmp_path / "rescored.md").read_text()
+    assert "| babilong | 24000 | 0.00 [0.00, 0.79] n=1 | 1.00 [0.21, 1.00] n=1 |" in rescored
+
+
 def test_cases_are_reproducible_and_sized():
     shared("books", "pg1342.txt")
     from transformers import AutoTokenizer
