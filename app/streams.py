@@ -312,7 +312,8 @@ class Streams:
                    # the question and the answer, and the document again if no saved cache will be found
                    "estimate_s": (0 if self._cache_dir(session) else self._read_estimate(session, margins))
                    + self.estimate_seconds(len(question) // 3 + 200, 0, settings)
-                   + settings.answer_tokens / max(self.rates["decode"], 0.1)}
+                   # the answer's room, and the reasoning's before it where the settings ask for one
+                   + (settings.answer_tokens + settings.reasoning_tokens) / max(self.rates["decode"], 0.1)}
             started, last_yield = _now(), 0.0
             for ev in worker.run(job, stop):
                 if isinstance(ev, SegmentRead):

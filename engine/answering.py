@@ -207,7 +207,7 @@ class Answering:
             ids, used = r.layout.suffix("answer_plain", query=query), []
         # Settings.reasoning_tokens asks the notes' prompt for a sentence or two before "Answer:" (plain reading's,
         # and the one without notes, answer at once: reasoning without notes scored below answering at once).
-        reasons = wim and reasons_first(template if template is not None else self._template(bool(used)))
+        reasons = wim and (template is not None or bool(used)) and self._reasons(template)
         end = r.cache.length
         try:
             with r.engine.lock:
