@@ -99,12 +99,18 @@ CANDIDATES = {
     "list-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}"
                   "\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few words. Where "
                   "notes disagree, the later one is the more recent.",
+    # One answer, not the notes' facts strung together ("Daniel went to the bedroom and the garden" for where
+    # Daniel is): BABILong's own check counts an answer naming two places wrong.
+    "list-one": _LIST + "Answer in a few words, with one answer.",
+    "list-one-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n"
+                      "{margins}\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few "
+                      "words, with one answer. Where notes disagree, the later one is the more recent.",
     "list-reason": prompt("answer_reasoned"),  # Settings.reasoning_tokens' prompt
     # Plain reading asked to reason the same way (the document and the question, no note): what the reasoning is
-    # worth without the margins.
-    "plain-reason": "\n\nUsing the document, answer the question: {query}\nFirst, in one or two sentences, say what "
-                    "the document says on the question, in the order of the text. Then write \"Answer:\" and the "
-                    "answer in a few words, on the same line.",
+    # worth without the margins. answer_reasoned's own instruction, said of the document alone.
+    "plain-reason": prompt("answer_plain").replace(
+        "Answer in a few words.",
+        prompt("answer_reasoned").rsplit("\n", 1)[1].replace("the notes and the document say", "the document says")),
 }
 SELECTIONS = ("margin", "emb-or-rel", "embedding", "reader")
 
