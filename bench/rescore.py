@@ -1,11 +1,13 @@
 """Recorded answers scored again by today's scorer (`bench.eval.score`), beside the scores they were recorded with.
 
     python -m bench.rescore bench/results/eval-16k-opening [more folders]
-    python -m bench.rescore --seed 1 --length 16000 bench/results/answer_prompts-16k-seed1-n6/babilong-multihop
+    python -m bench.rescore --write bench/results/eval-16k-opening
+    python -m bench.rescore --seed 1 bench/results/answer_prompts-16k-seed1-n6/babilong-multihop
 
-A `bench.eval` folder's eval.json holds its cases and their records. A `bench.answer_prompts` folder keeps only its
-records (records.jsonl): its cases are made again from (task, length, index) and `--seed`, which needs the default
-model's tokenizer. Nothing is read or answered again; the folders are not changed.
+A `bench.eval` folder's eval.json holds its cases and their records; `--write` adds rescored.md beside them, the
+folder's eval.md table under today's scorer (eval.md and the records stay as they were made). A
+`bench.answer_prompts` folder keeps only its records (records.jsonl): its cases are made again from (task, length,
+index) and `--seed`, with `--model`'s tokenizer. Nothing is read or answered again.
 """
 from __future__ import annotations
 
