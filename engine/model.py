@@ -554,7 +554,9 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     converted = Path(path)  # the packs are kept beside the fp32 conversion, whatever dtype loads
     # MARGINALIA_CAST_CACHE=off: cast while loading instead (twice the memory, 3.6 GB less disk for the 1.5B).
     cast = os.environ.get("MARGINALIA_CAST_CACHE", "on") != "off"
-    if cast and torch_dtype != torch.float32 and _converted_fp32(converted):
+    # Only a narrower dtype is worth a copy on disk: fp64 (the tests' strict checks) would save no memory by it.
+    narrower = torch_dtype.itemsize < torch.float32.itemsize
+    if cast and narrower and _converted_fp32(converted):
         path = str(cast_folder(converted, torch_dtype))  # one copy of the weights in memory, not two
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention)
