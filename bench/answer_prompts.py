@@ -69,6 +69,11 @@ _CITE_AFTER = "Answer in a few words: first the answer itself, then the notes it
 # The answer, then its citations on a line of their own (list-sources, question-first-sources).
 _SOURCES = "Answer in a few words. Then, on a new line, write \"Sources:\" and the notes the answer comes from, " \
            "like [segment 3]."
+# The notes said to be in the order of the text, and a later note to outdate an earlier one (list-later,
+# list-one-later).
+_IN_ORDER = ("\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}\n\n"
+             "Using the document and the notes, answer the question: {query}\n")
+_LATER = "Where notes disagree, the later one is the more recent."
 CANDIDATES = {
     "list": _LIST + "Answer in a few words.",
     "margins": "\n\nWhile reading the document part by part, you wrote these notes in the margin, in reading order, "
@@ -96,15 +101,11 @@ CANDIDATES = {
     "question-first-sources": "\n\nQuestion: {query}\n\nWhile reading, these sentences were copied from the "
                               "document into the margins, in reading order:\n{margins}\n\nAnswer the question from "
                               "the document and the notes. " + _SOURCES,
-    "list-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n{margins}"
-                  "\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few words. Where "
-                  "notes disagree, the later one is the more recent.",
+    "list-later": _IN_ORDER + "Answer in a few words. " + _LATER,
     # One answer, not the notes' facts strung together ("Daniel went to the bedroom and the garden" for where
     # Daniel is): BABILong's own check counts an answer naming two places wrong.
     "list-one": _LIST + "Answer in a few words, with one answer.",
-    "list-one-later": "\n\nWhile reading, these notes were written in the margins, in the order of the text:\n"
-                      "{margins}\n\nUsing the document and the notes, answer the question: {query}\nAnswer in a few "
-                      "words, with one answer. Where notes disagree, the later one is the more recent.",
+    "list-one-later": _IN_ORDER + "Answer in a few words, with one answer. " + _LATER,
     "list-reason": prompt("answer_reasoned"),  # Settings.reasoning_tokens' prompt
     # Plain reading asked to reason the same way (the document and the question, no note): what the reasoning is
     # worth without the margins. answer_reasoned's own instruction, said of the document alone.

@@ -42,7 +42,7 @@ from engine.classify import combined_verdict, says_nothing
 from engine.wim import Settings
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
-from .tasks import FIXED_TASKS, TASKS, Case, babilong_samples, make_case
+from .tasks import BABILONG_TASKS, FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
 # wim mode -> (the verdicts that choose its margins, the answer style past the window; None: the engine's default).
 # wim-<classifier>: the margins that classifier keeps (wim-combined: engine/classify.py's combined_verdict, on the
@@ -129,7 +129,7 @@ def score(case: Case, prediction: str) -> dict:
     if case.kind == "unanswerable":
         right = says_not_stated(words)
         return {"exact": right, "contained": right, "score": float(right)}
-    if case.task in ("babilong", "babilong-sample"):
+    if case.task in BABILONG_TASKS:
         return babilong_score(words, case.answers, case.query)
     return list_score(words, case.answers) if case.kind == "list" else short_score(words, case.answers)
 
@@ -400,7 +400,7 @@ def summarise(cases: list[Case], records, modes: list[str]) -> list[dict]:
             rows.append({"task": task, "length": length or "sample", "mode": mode, "n": n, "score": mean,
                          "lo": lo, "hi": hi, "metric": {"list": "set F1 (bootstrap 95%)",
                                                          "unanswerable": "answered not stated (Wilson 95%)"}.get(
-                             kind, "BABILong's check (Wilson 95%)" if task.startswith("babilong")
+                             kind, "BABILong's check (Wilson 95%)" if task in BABILONG_TASKS
                              else "contained match (Wilson 95%)"),
                          "exact": (sum(r.get("exact", False) for r in got) / n) if n and kind != "list" else None,
                          "seconds": sum(r["seconds"] for r in got) / n if n else None})

@@ -13,28 +13,30 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from .eval import markdown, score, summarise
-from .tasks import Case, make_case
+from .tasks import KINDS, Case, make_case
+
+Records = dict[str, dict[str, dict]]  # case key -> mode (or candidate) -> record
 
 
-def eval_folder(folder: Path) -> tuple[dict[str, Case], dict[str, dict[str, dict]]]:
-    """A bench.eval folder's cases and its records (case key -> mode -> record), from its eval.json."""
+def eval_folder(folder: Path) -> tuple[dict, dict[str, Case], Records]:
+    """A bench.eval folder's meta, cases and records, from its eval.json."""
     data = json.loads((folder / "eval.json").read_text())
     cases, records = {}, {}
     for c in data["cases"]:
         index = int(c["case"].rsplit("/", 1)[1])
         cases[c["case"]] = Case(c["task"], c["length"], index, "", c["query"], c["answers"],
-                                kind=_kind(c["task"]), info=c.get("info") or {})
+                                kind=KINDS.get(c["task"], "short"), info=c.get("info") or {})
         records[c["case"]] = {mode: r for mode, r in c["records"].items() if "prediction" in r}
-    return cases, records
+    return data["meta"], cases, records
 
 
-def prompts_folder(folder: Path, seed: int, tokenizer) -> tuple[dict[str, Case], dict[str, dict[str, dict]]]:
+def prompts_folder(folder: Path, seed: int, tokenizer) -> tuple[dict[str, Case], Records]:
     """A bench.answer_prompts folder's records (case key -> candidate -> record), its cases made again."""
-    records: dict[str, dict[str, dict]] = defaultdict(dict)
+    records: Records = defaultdict(dict)
     for line in (folder / "records.jsonl").read_text().splitlines():
         r = json.loads(line)
         records[r["case"]][r["candidate"]] = r
@@ -45,39 +47,38 @@ def prompts_folder(folder: Path, seed: int, tokenizer) -> tuple[dict[str, Case],
     return cases, dict(records)
 
 
-def _kind(task: str) -> str:
-    return {"aggregation": "list", "unanswerable": "unanswerable"}.get(task, "short")
+def rescored(cases: dict[str, Case], records: Records) -> Records:
+    """The records with today's score in place of the recorded one."""
+    return {key: {mode: {**r, **score(cases[key], r["prediction"])} for mode, r in by_mode.items()}
+            for key, by_mode in records.items()}
 
 
-def table(name: str, cases: dict[str, Case], records: dict[str, dict[str, dict]]) -> str:
-    """Per task and mode: cases, the recorded mean score and today's; then all answerable cases every mode
-    answered."""
-    modes = list(dict.fromkeys(m for by_mode in records.values() for m in by_mode))
-    tasks = list(dict.fromkeys(c.task for c in cases.values()))
+def modes_of(records: Records) -> list[str]:
+    return list(dict.fromkeys(m for by_mode in records.values() for m in by_mode))
+
+
+def table(name: str, cases: dict[str, Case], records: Records) -> str:
+    """Per task and mode, as bench.eval summarises them (its "all": the answerable cases every mode answered):
+    cases, the recorded mean score, today's, and how many answers' scores changed (per task)."""
+    modes, now = modes_of(records), rescored(cases, records)
+    before = {(r["task"], r["length"], r["mode"]): r for r in summarise(list(cases.values()), records, modes)}
+    changed = Counter((cases[key].task, mode) for key, by_mode in records.items() for mode, r in by_mode.items()
+                      if abs(r["score"] - now[key][mode]["score"]) > 1e-9)
     lines = [f"### {name}", "", "| task | mode | n | recorded | rescored | changed |", "|---|---|---|---|---|---|"]
-    for task in [*tasks, "all"]:
-        keys = [k for k, c in cases.items() if (c.task == task if task != "all" else c.kind != "unanswerable")]
-        if task == "all":
-            keys = [k for k in keys if all(m in records.get(k, {}) for m in modes)]
-        for mode in modes:
-            got = [(cases[k], records[k][mode]) for k in keys if mode in records.get(k, {})]
-            if not got:
-                continue
-            before = [r["score"] for _, r in got]
-            after = [score(c, r["prediction"])["score"] for c, r in got]
-            changed = sum(abs(a - b) > 1e-9 for a, b in zip(before, after))
-            lines.append(f"| {task} | {mode} | {len(got)} | {sum(before) / len(got):.3f} | "
-                         f"{sum(after) / len(got):.3f} | {changed} |")
+    for row in summarise(list(cases.values()), now, modes):
+        if not row["n"]:
+            continue
+        task, mode = row["task"], row["mode"]
+        moved = "" if task == "all" else changed[(task, mode)]  # the task rows say which changed
+        lines.append(f"| {task} | {mode} | {row['n']} | {before[(task, row['length'], mode)]['score']:.3f} | "
+                     f"{row['score']:.3f} | {moved} |")
     return "\n".join(lines)
 
 
-def rescored_markdown(folder: Path, cases: dict[str, Case], records: dict[str, dict[str, dict]]) -> str:
+def rescored_markdown(meta: dict, cases: dict[str, Case], records: Records) -> str:
     """The folder's eval.md table made again from its records scored by today's scorer."""
-    meta = json.loads((folder / "eval.json").read_text())["meta"]
     modes = [m for m in meta["modes"] if any(m in by_mode for by_mode in records.values())]
-    now = {key: {mode: {**r, **score(cases[key], r["prediction"])} for mode, r in by_mode.items()}
-           for key, by_mode in records.items()}
-    return markdown(meta, summarise(list(cases.values()), now, modes), modes)
+    return markdown(meta, summarise(list(cases.values()), rescored(cases, records), modes), modes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = None
     for folder in args.folders:
         if (folder / "eval.json").exists():
-            cases, records = eval_folder(folder)
+            meta, cases, records = eval_folder(folder)
             if args.write:
                 (folder / "rescored.md").write_text(
                     f"Rescored by `python -m bench.rescore --write {folder}`: the records of eval.md, scored by "
-                    f"today's scorer.\n\n" + rescored_markdown(folder, cases, records))
+                    f"today's scorer.\n\n" + rescored_markdown(meta, cases, records))
         elif (folder / "records.jsonl").exists():
             if args.seed is None:
                 parser.error(f"{folder} is an answer_prompts folder: give its --seed")

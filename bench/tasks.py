@@ -27,6 +27,8 @@ from .common import BOOKS, SHARED, n_tokens
 
 TASKS = ("babilong", "multihop", "aggregation", "hotpotqa", "squad", "unanswerable")
 FIXED_TASKS = ("babilong-sample",)
+BABILONG_TASKS = ("babilong", "babilong-sample")  # scored by BABILong's own check (bench/eval.py:babilong_score)
+KINDS = {"aggregation": "list", "unanswerable": "unanswerable"}  # each task's Case.kind; the others: "short"
 PROSE_BOOKS = ("pg1342.txt", "pg1661.txt", "pg84.txt", "pg11.txt")
 
 
@@ -219,7 +221,7 @@ def aggregation(rng, tokenizer, length):
     text, _ = haystack(rng, tokenizer, length, entries, ordered=True)
     query = ("Ledger entries are scattered through the text. Which 10 items does the ledger record most often? "
              "List the 10 items, separated by commas.")
-    return dict(text=text, query=query, answers=top, kind="list", answer_tokens=64,
+    return dict(text=text, query=query, answers=top, answer_tokens=64,
                 info={"per_common": common, "per_rare": rare, "rare": others,
                       "gold": [e for e in entries if any(it in e for it in top)]})
 
@@ -295,7 +297,7 @@ def unanswerable(rng, tokenizer, length, index, seed):
     extra = rng.sample(others, min(3, len(others)))
     text, depth = haystack(rng, tokenizer, length, _fitting(tokenizer, length, [paragraph], extra), ordered=False,
                            by="paragraph")
-    return dict(text=text, query=question, answers=["The document does not say."], kind="unanswerable",
+    return dict(text=text, query=question, answers=["The document does not say."],
                 info={"gold_depth": depth[0], "gold": [paragraph], "plausible": plausible})
 
 
@@ -317,4 +319,4 @@ def make_case(task: str, length: int, index: int, tokenizer, seed: int = 0) -> C
     rng = random.Random(f"{seed}:{task}:{length}:{index}")
     gen = GENERATORS[task]
     made = gen(rng, tokenizer, length, index, seed) if task in ("hotpotqa", "squad", "unanswerable") else gen(rng, tokenizer, length)
-    return Case(task, length, index, **made)
+    return Case(task, length, index, kind=KINDS.get(task, "short"), **made)

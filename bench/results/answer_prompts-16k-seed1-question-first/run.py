@@ -4,7 +4,6 @@ import sys
 import engine.prompts as P
 import engine.wim as W
 from bench import answer_prompts as AP
-from bench import eval as E
 
 _orig = P.prompt
 CURRENT = {"q": None}
