@@ -286,7 +286,7 @@ class Answering:
         r = self.reading
         if r.settings.overflow != "group":
             return self._fit(query, notes, template, room, in_cache)
-        room -= self.answer_room(self._reasons(template))
+        room -= self._room_for(template)
         inside = {i: t for i, t in notes.items() if i in in_cache}
         outside = {i: t for i, t in notes.items() if i not in in_cache}
         items = yield from r.fitted_notes(outside, lambda lines: self._prompt(query, lines, template), room,
@@ -303,6 +303,10 @@ class Answering:
         the room more)."""
         s = self.reading.settings
         return s.answer_tokens + (min(s.reasoning_tokens, self.reading.limit // 16) if reasons else 0)
+
+    def _room_for(self, template: str | None) -> int:
+        """answer_room for the answer prompt with notes (`template`, else the default)."""
+        return self.answer_room(self._reasons(template))
 
     def _reasons(self, template: str | None) -> bool:
         """Whether the answer prompt with notes (`template`, else the default) asks for reasoning first."""
@@ -328,7 +332,7 @@ class Answering:
         """The answer prompt with as many of the chosen notes as fit in `room` less the answer's own tokens."""
         r = self.reading
         return fit_notes(notes, r._note_scores(), lambda lines: self._prompt(query, lines, template),
-                         room - self.answer_room(self._reasons(template)), in_cache=in_cache,
+                         room - self._room_for(template), in_cache=in_cache,
                          label=lambda i: note_label(r.segments[i]))
 
     def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
@@ -338,7 +342,7 @@ class Answering:
         relevance, which a segment that said "nothing" has too)."""
         r = self.reading
         every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
-        room -= len(every_note) + self.answer_room(self._reasons(template))
+        room -= len(every_note) + self._room_for(template)
         scores = r._note_scores()
         candidates = list(notes) or [i for i in r.margins if r.margins[i].score is not None]
         chosen, used = [], 0
