@@ -23,7 +23,7 @@ import torch
 from engine.attribution import without_citations
 
 from .common import load_engine
-from .eval import Evaluator, generate_cases
+from .eval import add_read_options, evaluator_for, generate_cases
 
 RULES = {
     "by the notes": lambda s: s["wim|wim"] >= s["plain|wim"],
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=16000)
     parser.add_argument("--n", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    add_read_options(parser)  # as the answer_prompts runs read: their defaults unless told
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     records = {}
@@ -69,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.lm.tokenizer
     cases = generate_cases(tok, args.tasks.split(","), [args.length], argparse.Namespace(
         n=args.n, seed=args.seed, quick=False))
-    evaluator = Evaluator(engine, 64, 8, 1024, "extractive", None)  # bench.answer_prompts' defaults
+    evaluator = evaluator_for(engine, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if args.out.exists():
         done = {r["case"]: r for r in map(json.loads, args.out.read_text().splitlines())}
-    turn_end = tok.convert_tokens_to_ids("<|im_end|>")
     for case in cases:
         wim, plain = records.get((case.key, args.candidate)), records.get((case.key, "plain"))
         if case.key in done or wim is None or plain is None:
             continue
         reading = engine.open(case.text, evaluator.settings(case, "wim"))
+        turn_end = reading.layout.encode(reading.layout.turn_end)[0]  # the chat template's end of a turn
         if reading.multiwindow or not reading.restore(args.reads / case.key.replace("/", "-")):
             print(f"{case.key}: no kept read inside one window; left out", flush=True)
             continue

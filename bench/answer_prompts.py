@@ -55,7 +55,7 @@ from engine.answering import ANSWER_STYLES as STYLES, says_not_stated
 from engine.prompts import prompt
 
 from .common import RESULTS, cpu_name, load_engine, md_table, write_results
-from .eval import Evaluator, fingerprint, generate_cases, score
+from .eval import add_read_options, evaluator_for, fingerprint, generate_cases, score
 
 _LIST = ("\n\nWhile reading, these notes were written in the margins:\n{margins}\n\n"
          "Using the document and the notes, answer the question: {query}\n")
@@ -157,13 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="skip the cases whose index is below this (cases read "
                         "on another machine, whose records are kept apart)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--segments", type=int, default=8)
-    parser.add_argument("--margin-tokens", type=int, default=64)
-    parser.add_argument("--max-segment-tokens", type=int, default=1024)
-    parser.add_argument("--margins", default="extractive")
-    parser.add_argument("--context-limit", type=int, default=None)
-    parser.add_argument("--copy-choice", default="opening", choices=("opening", "token"),
-                        help="how a copied note chooses its sentences (engine Settings.copy_choice)")
+    add_read_options(parser)
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma list of PROMPT[+SELECTION][@STYLE], PROMPT one of " + ", ".join(CANDIDATES)
                              + ", margins-only; SELECTION one of " + ", ".join(SELECTIONS) + " (default margin); "
@@ -186,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.lm.tokenizer
     cases = [c for c in generate_cases(tok, args.tasks.split(","), [int(x) for x in args.length.split(",")], args)
              if c.index >= args.first]
-    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit, copy_choice=args.copy_choice)
+    evaluator = evaluator_for(engine, args)  # its reads are kept by this script (--reads), not the Evaluator
     fp = fingerprint(engine, args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "records.jsonl"

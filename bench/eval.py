@@ -513,15 +513,9 @@ def read_cases(path: Path) -> list[Case]:
         return [Case(**json.loads(line)) for line in f if line.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", default="wim,llm,rag,margins-only",
-                        help=f"comma list of {', '.join(MODES)}; `wim` = the three wim-* classifiers")
-    parser.add_argument("--task", "--tasks", dest="tasks", default=",".join((*TASKS, *FIXED_TASKS)),
-                        help=f"comma list of {', '.join((*TASKS, *FIXED_TASKS))}")
-    parser.add_argument("--n", type=int, default=10, help="cases per task and length")
-    parser.add_argument("--length", default=",".join(map(str, LENGTHS)), help="comma list of document lengths")
-    parser.add_argument("--seed", type=int, default=0)
+def add_read_options(parser: argparse.ArgumentParser) -> None:
+    """How each case is read (engine Settings): the options bench.eval, bench.answer_prompts and
+    bench.answer_choice share, read by evaluator_for."""
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--margin-tokens", type=int, default=64)
     parser.add_argument("--max-segment-tokens", type=int, default=1024)
@@ -534,6 +528,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-limit", type=int, default=None,
                         help="tokens the cache may hold (default: the model's window); a smaller limit reads a "
                              "long text in several windows at a fraction of the cost of a window that long")
+
+
+def evaluator_for(engine, args, reads: Path | None = None) -> Evaluator:
+    """The Evaluator for add_read_options' options; `reads`: where reads are kept and taken up again."""
+    return Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
+                     args.context_limit, reads, args.copy_choice, args.notes_so_far)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default="wim,llm,rag,margins-only",
+                        help=f"comma list of {', '.join(MODES)}; `wim` = the three wim-* classifiers")
+    parser.add_argument("--task", "--tasks", dest="tasks", default=",".join((*TASKS, *FIXED_TASKS)),
+                        help=f"comma list of {', '.join((*TASKS, *FIXED_TASKS))}")
+    parser.add_argument("--n", type=int, default=10, help="cases per task and length")
+    parser.add_argument("--length", default=",".join(map(str, LENGTHS)), help="comma list of document lengths")
+    parser.add_argument("--seed", type=int, default=0)
+    add_read_options(parser)
     parser.add_argument("--quick", action="store_true", help="smoke test: one short case per task")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; "
                                                                 "--quick requires it)")
@@ -606,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(x) for x in args.shard.split("/"))
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
-    evaluator = Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                          args.context_limit, args.reads, args.copy_choice, args.notes_so_far)
+    evaluator = evaluator_for(engine, args, args.reads)
     meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens, "copy_choice": args.copy_choice,
             "notes_so_far": args.notes_so_far,
