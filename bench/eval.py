@@ -51,12 +51,14 @@ from .tasks import BABILONG_TASKS, FIXED_TASKS, TASKS, Case, babilong_samples, m
 # window with their passages re-read into the answer window (answer_style lookup); wim-notes: the same margins
 # answered from the last window and the notes alone (answer_style notes); wim-passages: the default classifier's
 # margins answered from their passages re-read into a fresh window, inside one window too (answer_style passages);
-# wim-recall: the same margins' passages re-read after the whole document (answer_style recall).
+# wim-recall: the same margins' passages re-read after the whole document (answer_style recall); wim-filled: past
+# the window, the default classifier's margins' passages and the likeliest others in the room left (answer_style
+# filled).
 WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
              "wim-combined": ("combined", None),
              "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup"),
              "wim-notes": ("margin", "notes"), "wim-passages": ("combined", "passages"),
-             "wim-recall": ("combined", "recall")}
+             "wim-recall": ("combined", "recall"), "wim-filled": ("combined", "filled")}
 # Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
 # Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
 # over each group, which changes what later windows read, so it cannot share the default read).
@@ -488,7 +490,9 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
            + ("; answers marked notes_from_record in the records took up the recorded read's notes, not its cache"
               if meta.get("notes_from_record") else "") if "wim-passages" in modes else "")
         + ("; wim-recall: the same margins' passages re-read after the whole document, next to the question"
-           if "wim-recall" in modes else "") + ".\n",
+           if "wim-recall" in modes else "")
+        + ("; wim-filled: past the window, those passages and the likeliest others in the room left"
+           if "wim-filled" in modes else "") + ".\n",
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 # notes: past the window, the last window and the notes; lookup: past the window, the kept notes' passages re-read
 # in place of the last window; passages: the same inside one window too (the document's other segments left out);
 # recall: inside one window, the kept notes' passages re-read after the whole document, next to the question (past
-# the window, lookup).
-ANSWER_STYLES = ("notes", "lookup", "passages", "recall")
+# the window, lookup); filled: past the window, the kept notes' passages and, in the room left, the passages the
+# margins scored likeliest (inside one window, the text).
+ANSWER_STYLES = ("notes", "lookup", "passages", "recall", "filled")
 # answer_window's results whose window is built afresh from re-read passages: no cache of the text needed.
-FRESH_WINDOWS = ("passages", "likeliest")
+FRESH_WINDOWS = ("passages", "likeliest", "filled")
 
 
 def answer_window(style: str, multiwindow: bool, has_notes: bool) -> str:
@@ -47,12 +48,15 @@ def answer_window(style: str, multiwindow: bool, has_notes: bool) -> str:
     (the document; past the window, its last window); `passages`, the kept notes' passages re-read into a fresh
     window (no cache of the text needed); `recall`, the document and then those passages again; `likeliest`,
     past the window with no note kept, the passages the margins scored likeliest to help, re-read into a fresh
-    window (the last window is only where the text happened to end). Inside one window, without a note to point
-    at passages, every style reads the text."""
+    window (the last window is only where the text happened to end); `filled`, past the window, the kept notes'
+    passages and then the likeliest others as far as they fit. Inside one window, without a note to point at
+    passages, every style reads the text."""
     if not has_notes:
         return "likeliest" if multiwindow and style != "notes" else "text"
     if style == "passages" or (multiwindow and style in ("lookup", "recall")):
         return "passages"
+    if multiwindow and style == "filled":
+        return "filled"
     return "recall" if style == "recall" else "text"
 
 
@@ -178,7 +182,7 @@ class Answering:
         lookup, recall = reads in FRESH_WINDOWS, reads == "recall"
         try:
             if lookup:
-                yield from self._lookup_window(query, notes, template, stop)
+                yield from self._lookup_window(query, notes, template, stop, fill=reads == "filled")
             else:
                 yield from r.last_window_in_cache(stop)
                 r.cache.truncate(r.doc_end)
@@ -335,18 +339,24 @@ class Answering:
                          room - self._room_for(template), in_cache=in_cache,
                          label=lambda i: note_label(r.segments[i]))
 
-    def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int) -> list[int]:
+    def _passages_that_fit(self, query: str, notes: dict[int, str], template: str | None, room: int,
+                           fill: bool = False) -> list[int]:
         """The chosen notes whose passages fit in `room` beside all the notes and the question, in document order
-        (the highest-scored notes' passages first when not all fit). With no note chosen, the passages of the
-        segments the margins scored highest (the classifier's score: by default the note's own first-step
-        relevance, which a segment that said "nothing" has too)."""
+        (the highest-scored notes' passages first when not all fit). With no note chosen, or with `fill` in the
+        room the notes' passages leave, the passages of the segments the margins scored highest (the classifier's
+        score: by default the note's own first-step relevance, which a segment that said "nothing" has too)."""
         r = self.reading
         every_note = self._prompt(query, note_lines(notes, list(notes), lambda i: note_label(r.segments[i])), template)
         room -= len(every_note) + self._room_for(template)
         scores = r._note_scores()
-        candidates = list(notes) or [i for i in r.margins if r.margins[i].score is not None]
+
+        def ranked(segments) -> list[int]:
+            return sorted(segments, key=lambda i: (-scores.get(i, 1.0), i))
+
+        others = [i for i in r.margins if r.margins[i].score is not None and i not in notes]
+        candidates = ranked(notes) + (ranked(others) if fill or not notes else [])
         chosen, used = [], 0
-        for i in sorted(candidates, key=lambda i: (-scores.get(i, 1.0), i)):
+        for i in candidates:
             if used + r.segments[i].tokens <= room:
                 chosen.append(i)
                 used += r.segments[i].tokens
@@ -371,16 +381,18 @@ class Answering:
             yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
                          "(as many as fit in the window) after the document.")
 
-    def _lookup_window(self, query: str, notes: dict[int, str], template: str | None, stop) -> Iterator[Event]:
+    def _lookup_window(self, query: str, notes: dict[int, str], template: str | None, stop,
+                       fill: bool = False) -> Iterator[Event]:
         """Fill the cache with the prefix and the passages of the chosen notes, in document order, as many as fit
-        beside all the notes and the question (the highest-scored notes' passages first when not all fit)."""
+        beside all the notes and the question (the highest-scored notes' passages first when not all fit); `fill`:
+        then the likeliest other passages in the room left."""
         r = self.reading
         last = r.windows[-1] if r.windows else None  # none: notes taken up without their cache (restore_notes)
         if last is not None and r.cache_window is last and not last.kept:
             notice = r._keep_window(last)  # remargin, saving and plain follow-ups need it back afterwards
             if notice:
                 yield notice
-        chosen = self._passages_that_fit(query, notes, template, r.limit - len(r.layout.prefix))
+        chosen = self._passages_that_fit(query, notes, template, r.limit - len(r.layout.prefix), fill)
         r.cache.truncate(0)
         r.cache_window = None  # the cache holds no reading window now
         with r.engine.lock:
@@ -389,6 +401,10 @@ class Answering:
         if not notes:
             yield Notice(f"No note was kept: the answer re-reads the {len(chosen)} passages the margins scored "
                          "likeliest to help (as many as fit in the window).")
+        elif fill and len(chosen) > len(set(chosen) & set(notes)):
+            yield Notice(f"The answer re-reads the passages of {len(set(chosen) & set(notes))} of the {len(notes)} "
+                         f"kept notes and {len(set(chosen) - set(notes))} more the margins scored likeliest "
+                         "(as many as fit in the window) beside all the notes.")
         elif len(chosen) < len(notes):
             yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "
                          "(as many as fit in the window) beside all the notes.")

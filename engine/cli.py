@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what the answer window holds: lookup (past the context window, the kept notes' "
                            "passages read again, then the notes), notes (past it, the last window and the notes) or "
                            "passages (the kept notes' passages read again inside one window too) or recall (inside "
-                           "one window, the whole document and then the kept notes' passages read again)")
+                           "one window, the whole document and then the kept notes' passages read again) or filled "
+                           "(past it, the kept notes' passages and the likeliest others in the room left)")
     read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
                       help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
                            "lowest-scored, or group them under notes written over each group")

@@ -90,7 +90,8 @@ class Settings:
     # on the tuning seed (24k tokens in 8k windows, 12 cases: 0.487 against 0.416); docs/quality.md. passages: the
     # look-up inside one window too (the document's other segments left out of the answer window); recall: inside
     # one window, the passages read again after the whole document. Neither above the default at 16k on the tuning
-    # seed (docs/quality.md).
+    # seed (docs/quality.md). filled: past the window, the look-up's passages and, in the room they leave, the
+    # likeliest others (being measured: docs/quality.md).
     answer_style: str = "lookup"
     # Kept notes that no longer fit their room (carried into a new window, or beside an answer): drop (the
     # lowest-scored give way) | group (notes written over groups of them, engine/group_notes.py; not yet measured

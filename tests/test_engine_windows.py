@@ -395,6 +395,39 @@ def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
     assert reading.cache.length == reading.doc_end == reading.windows[-1].doc_end
 
 
+def test_past_the_window_the_filled_answer_adds_the_likeliest_passages_after_the_notes_own(engine):
+    """answer_style filled: past the window the answer window holds the kept notes' passages (those the look-up
+    re-reads) and, in the room they leave, the passages of the other segments the margins scored highest
+    (greedily, highest first), all in document order (their token ids), then the notes and the question."""
+    text = _alice(3200)
+    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
+    list(reading.read(OLD))
+    assert reading.multiwindow
+    scores = {i: m.score for i, m in reading.margins.items()}
+    kept = sorted(sorted(scores, key=lambda i: (-scores[i], i))[:1])  # one note: room is left for others
+    list(reading.answer(OLD, margins=kept))
+    own = reading.answering.window.passages
+    events = list(reading.answer(OLD, margins=kept, style="filled"))
+    answer = next(e for e in events if isinstance(e, Answer))
+    window = reading.answering.window
+    assert own == kept and set(own) < set(window.passages)
+    assert answer.passages == window.passages == sorted(window.passages)
+    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
+    assert window.ids[:len(passages)] == passages
+    after = engine.lm.tokenizer.decode(window.ids[len(passages):])
+    assert f"[segment {kept[0] + 1}] {reading.margins[kept[0]].text}" in after and after.rindex(OLD) > 0
+    room = reading.limit - len(engine.layout.prefix) - (len(window.ids) - len(passages)) - WINDOWED.answer_tokens
+    used = sum(reading.segments[i].tokens for i in window.passages)
+    lowest = min(scores[i] for i in set(window.passages) - set(kept))
+    for i in set(scores) - set(window.passages):
+        assert scores[i] <= lowest or reading.segments[i].tokens > room - used
+    assert any(isinstance(e, Notice) and "more the margins scored likeliest" in e.text for e in events)
+    # Inside one window the filled answer reads the text, as the look-up does.
+    one = engine.open(_alice(1600), replace(WINDOWED, answer_style="filled", context_limit=None))
+    list(one.read(OLD))
+    assert next(e for e in one.answer(OLD) if isinstance(e, Answer)).passages == []
+
+
 def test_past_the_window_with_no_note_kept_the_answer_re_reads_the_likeliest_passages(engine):
     """No note kept (the reader marked them all irrelevant, or every margin said nothing): past the window the
     answer window holds the passages of the segments the margins scored highest, in document order (their token
