@@ -41,6 +41,7 @@ def main(argv=None) -> int:
 
     from engine import kernels as native, packed
     from engine.decode_step import DecodeStep
+    from engine.model import dtype_name
     torch.set_num_threads(args.threads)
     lm = load_engine("cpu", args.dtype, args.model, decode_weights="gguf").lm
     ids = lm.tokenizer(prose(lm.tokenizer, args.context + 100), add_special_tokens=False)["input_ids"]
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     full = median(times["full weights"])
     rows = [{"way": way, "ms": median(t) * 1e3, "tok_s": 1 / median(t), "ratio": median(t) / full}
             for way, t in times.items()]
-    dtype = str(lm.dtype).removeprefix("torch.")
+    dtype = dtype_name(lm.dtype)
     meta = {"model": lm.name, "dtype": dtype, "threads": args.threads, "cpu": cpu_name(), "reps": args.reps,
             "context": args.context, "packs": lm.packs}
     table = md_table(["decode step with", "ms", "tok/s", "time / full weights"],

@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from engine.model import dtype_name
+
     torch.set_num_threads(args.threads)
 
     def log(msg):
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
 
     models = {w: load_engine("cpu", args.dtype, args.model, decode_weights=w).lm for w in ("full", "gguf4")}
     lm = models["gguf4"]
-    dtype = str(lm.dtype).removeprefix("torch.")
+    dtype = dtype_name(lm.dtype)
     ids = lm.tokenizer(prose(lm.tokenizer, max(CONTEXTS) + 100), add_special_tokens=False)["input_ids"]
     kernel = kernel_rows(lm, args.reps)
     passes = model_rows(models, ids, args.reps, log)

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from engine.cache import make_cache
+    from engine.model import dtype_name
 
     torch.set_num_threads(args.threads)
     lm = load_engine(None, None, args.model, prefill_weights="int8").lm
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     kl = float(F.kl_div(logits["int8"].log_softmax(-1), logits["full"].log_softmax(-1), log_target=True,
                         reduction="batchmean"))
     print(f"{len(ids)} positions: greedy tokens agree {agree:.4f}, mean KL(full || int8) {kl:.4f}")
-    meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "threads": args.threads,
+    meta = {"model": lm.name, "dtype": dtype_name(lm.dtype), "threads": args.threads,
             **machine(), "load_average": round(os.getloadavg()[0], 1),
             "prefill_weights": lm.info["prefill_weights"], "decode_weights": lm.info["decode_weights"],
             "reps": args.reps, "positions_compared": len(ids), "greedy_agreement": round(agree, 4),

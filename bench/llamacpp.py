@@ -57,6 +57,7 @@ def measure(spec: str, decode_weights: str, prefill_weights: str, args, log) -> 
     import torch
 
     from engine.cache import make_cache
+    from engine.model import dtype_name
 
     torch.set_num_threads(args.threads)
     engine = load_engine(None, args.dtype, model=spec, decode_weights=decode_weights, prefill_weights=prefill_weights)
@@ -65,7 +66,7 @@ def measure(spec: str, decode_weights: str, prefill_weights: str, args, log) -> 
     gguf = gguf_of(spec)
     blocks = {"gguf4": "4-bit", "gguf": "4-, 6- and 8-bit", "gguf-q8": "4-, 6- and 8-bit (int8 inputs)"}.get(
         lm.packs.get("choice")) if lm.packs else None
-    ours_in = (str(lm.dtype).removeprefix("torch.") + (", int8 prefill" if lm.prefill_int8 else "")
+    ours_in = (dtype_name(lm.dtype) + (", int8 prefill" if lm.prefill_int8 else "")
                + (f", decode on the GGUF's {blocks} blocks" if blocks else ""))
     log(f"{lm.name}: ours {ours_in}, llama.cpp on {gguf.name}")
     worker = LlamaWorker(gguf, args.prompt + args.steps + 16, args.threads,

@@ -22,6 +22,7 @@ SIDES = {"cast while loading": "off", "converted in the engine's dtype": "on"}
 def child(spec: str, path: str) -> dict:
     """One reading of a BABILong-form file, the way `python -m engine read` does it; its figures."""
     from engine import Answer, Engine, Settings
+    from engine.model import dtype_name
     from bench.baselines import kv_bytes_per_token
 
     case = json.loads(Path(path).read_text())
@@ -37,7 +38,7 @@ def child(spec: str, path: str) -> dict:
     answer = [e for e in reading.answer(case["query"]) if isinstance(e, Answer)][0]
     most = max(most, reading.doc_end + reading.settings.answer_tokens)
     kv = most * kv_bytes_per_token(model)
-    return {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "weights_mib": weights / 2**20,
+    return {"model": engine.lm.name, "dtype": dtype_name(engine.lm.dtype), "weights_mib": weights / 2**20,
             "packs_mib": packs / 2**20, "kv_mib": kv / 2**20, "kv_tokens": most, "peak_rss_mib": peak_rss_bytes() / 2**20,
             "answer": answer.text}
 

@@ -53,7 +53,7 @@ def child(spec: str, source: str, prefill: int, decode: int) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     else:
-        folder, _ = models.resolve(spec)
+        folder = models.resolve(spec)[0]
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = torch.bfloat16 if source == "cache-bf16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -62,7 +62,7 @@ def child(spec: str, source: str, prefill: int, decode: int) -> dict:
     loaded_rss, loaded_peak = _rss_mib()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "GgufLinear"]
     packed = sum(type(m).__name__ == "GgufLinear" for m in linears)
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    dtypes = sorted({models.dtype_name(p.dtype) for p in model.parameters()})
     from engine.packed import weights as packed_weights
     weight_bytes = packed_weights(model)[1]
 

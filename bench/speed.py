@@ -87,6 +87,7 @@ def worker(device: str | None, dtype: str | None, model: str) -> None:
     os.dup2(2, 1)  # anything else printed (progress bars, warnings) goes to stderr, never into the protocol
     import torch
     from engine import Settings
+    from engine.model import dtype_name
     from engine.packed import weights as packed_weights
     from .baselines import run_mode
     runtime_rss = rss_bytes()  # Python + torch + transformers, before the model
@@ -99,7 +100,7 @@ def worker(device: str | None, dtype: str | None, model: str) -> None:
                                    + [Path(__file__).with_name("baselines.py")])).hexdigest()[:12]
     out.write(json.dumps({"ready": True, "code": code, "runtime_rss": runtime_rss, "loaded_rss": rss_bytes(),
                           "weights_bytes": weights, "packs_bytes": packs,
-                          "model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."),
+                          "model": engine.lm.name, "dtype": dtype_name(engine.lm.dtype),
                           "device": str(engine.lm.device)}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -207,6 +208,7 @@ def _microbenchmarks(engine, cfg: Config, log) -> dict:
     from transformers import DynamicCache
     from engine.cache import make_cache
     from engine.generate import PREFILL_CHUNK, Runner
+    from engine.model import dtype_name
     from .prefill import linear_gflops
     lm = engine.lm
     model, device = lm.model, lm.device
@@ -219,7 +221,7 @@ def _microbenchmarks(engine, cfg: Config, log) -> dict:
     list(runner.decode(warm, runner.prefill(ids[:32], warm), 4))  # first forward passes pay one-time costs
     del warm
     out = {"shape": asdict(shape), "weight_flops_per_token": shape.weight_flops(),
-           "gemm": {"rows": PREFILL_CHUNK, "dtype": str(lm.dtype).removeprefix("torch.")}}
+           "gemm": {"rows": PREFILL_CHUNK, "dtype": dtype_name(lm.dtype)}}
 
     @torch.inference_mode()
     def all_logits(n: int) -> float:
@@ -622,12 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         micro = microbenchmarks(engine, cfg, log)
         progress.put("micro", micro)
     tokenizer = lm.tokenizer
-    meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
+    from engine.model import dtype_name, release_freed_memory
+    meta = {"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device),
             "machine": machine(), "quick": args.quick, "segments": cfg.segments, "margin_tokens": cfg.margin_tokens,
             "answer_tokens": cfg.answer_tokens, "margins": cfg.margins, "config": asdict(cfg), "gemm": micro["gemm"],
             "shape": micro["shape"], "weight_flops_per_token": micro["weight_flops_per_token"]}
     del engine, lm
-    from engine.model import release_freed_memory
     release_freed_memory()  # the workers load their own copies: give this process's back first
     runs, workers_info, docs = mode_runs(cfg, args, tokenizer, progress, log)
     meta["documents"] = docs

@@ -398,12 +398,13 @@ class Answering:
         with r.engine.lock:
             r.runner.prefill(r.layout.prefix, r.cache, stop)
         self.window = AnswerWindow(chosen, self._feed_passages(chosen, stop))
+        noted = set(chosen) & set(notes)  # the chosen passages that have a kept note
         if not notes:
             yield Notice(f"No note was kept: the answer re-reads the {len(chosen)} passages the margins scored "
                          "likeliest to help (as many as fit in the window).")
-        elif fill and len(chosen) > len(set(chosen) & set(notes)):
-            yield Notice(f"The answer re-reads the passages of {len(set(chosen) & set(notes))} of the {len(notes)} "
-                         f"kept notes and {len(set(chosen) - set(notes))} more the margins scored likeliest "
+        elif fill and len(chosen) > len(noted):
+            yield Notice(f"The answer re-reads the passages of {len(noted)} of the {len(notes)} "
+                         f"kept notes and {len(set(chosen) - noted)} more the margins scored likeliest "
                          "(as many as fit in the window) beside all the notes.")
         elif len(chosen) < len(notes):
             yield Notice(f"The answer re-reads the passages of {len(chosen)} of the {len(notes)} kept notes "

@@ -75,7 +75,7 @@ class LoadedModel:
         return {
             "name": self.name,
             "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "attention": self.attention,
             "context_length": self.context_length,
             "parameters": packed_weights(self.model)[0],
@@ -350,6 +350,12 @@ def in_dtype(folder: Path, dtype: torch.dtype) -> Path:
     return folder if dtype == torch.float32 else folder.with_name(f"{folder.name}-{dtype_name(dtype)}")
 
 
+def copied_in(dtype: torch.dtype) -> bool:
+    """Whether a load in `dtype` reads its own copy of an fp32 conversion (`in_dtype`): a dtype narrower than
+    fp32, unless MARGINALIA_CAST_CACHE=off (then the fp32 folder, cast while loading)."""
+    return dtype.itemsize < torch.float32.itemsize and os.environ.get("MARGINALIA_CAST_CACHE", "on") != "off"
+
+
 def converted(gguf: Path, folder: Path, dtype: torch.dtype) -> Path:
     """The folder a GGUF loads from in `dtype`, made once: `folder` (fp32) or its copy in a narrower dtype.
 
@@ -358,8 +364,7 @@ def converted(gguf: Path, folder: Path, dtype: torch.dtype) -> Path:
     GiB more for an fp32 folder nobody loads), or cast from an fp32 conversion already there (quicker than
     de-quantizing again). fp32 and wider (fp64, the tests' strict checks, cast while loading) read the fp32
     folder; so does MARGINALIA_CAST_CACHE=off (cast while loading: twice the memory, less disk)."""
-    narrower = dtype.itemsize < torch.float32.itemsize
-    if not narrower or os.environ.get("MARGINALIA_CAST_CACHE", "on") == "off":
+    if not copied_in(dtype):
         return convert_gguf(gguf, folder)
     target = in_dtype(folder, dtype)
     if (target / "config.json").exists():
@@ -516,19 +521,23 @@ def pick_decode_weights(choice: str | None, device: torch.device, dtype: torch.d
     return choice
 
 
-def resolve(spec: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
-    """(what from_pretrained loads, display name) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder or a hub id;
-    a GGUF as `converted` makes it for `dtype`."""
+def resolve(spec: str, dtype: torch.dtype = torch.float32) -> tuple[str, str, Path | None]:
+    """(what from_pretrained loads, display name, fp32 folder) for `embedded`, `qwen2.5-1.5b`, a .gguf file, a folder
+    or a hub id. A GGUF loads as `converted` makes it for `dtype`: its fp32 conversion's folder or the copy named
+    after it (`in_dtype`); that fp32 folder is the third item (the decode packs are kept beside its name), None for
+    a folder or a hub id."""
     if spec == EMBEDDED:
-        return str(converted(embedded_gguf(), cache_dir() / EMBEDDED_FOLDER, dtype)), EMBEDDED_NAME
-    if spec == QWEN:
-        return str(converted(assemble_qwen(), cache_dir() / QWEN_FOLDER, dtype)), QWEN_NAME
-    if spec.lower().endswith(".gguf"):
-        path = Path(spec).expanduser()
-        if not path.is_file():
+        gguf, folder, name = embedded_gguf(), cache_dir() / EMBEDDED_FOLDER, EMBEDDED_NAME
+    elif spec == QWEN:
+        gguf, folder, name = assemble_qwen(), cache_dir() / QWEN_FOLDER, QWEN_NAME
+    elif spec.lower().endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
-        return str(converted(path, gguf_cache_folder(path), dtype)), f"{path.name} (GGUF)"
-    return spec, spec
+        folder, name = gguf_cache_folder(gguf), f"{gguf.name} (GGUF)"
+    else:
+        return spec, spec, None
+    return str(converted(gguf, folder, dtype)), name, folder
 
 
 def cpu_has_bf16_matrix_units() -> bool:
@@ -587,14 +596,11 @@ def load_model(spec: str = EMBEDDED, device: str | None = None, dtype: str | Non
     torch_dtype = pick_dtype(dtype, dev)
     attention = pick_attention(dev)
     prefill = pick_prefill_weights(prefill_weights, dev)
-    path, name = resolve(spec, torch_dtype)
     # The packs are kept beside the fp32 conversion's name, whatever dtype loads (they hold the GGUF's own values).
-    folder = Path(path)
-    packs_beside = folder.with_name(folder.name.removesuffix("-" + dtype_name(torch_dtype)))
+    path, name, packs_beside = resolve(spec, torch_dtype)
     # A converted fp32 folder named as the spec itself: copied once in a narrower dtype, as `converted` does.
-    narrower = torch_dtype.itemsize < torch.float32.itemsize
-    if narrower and os.environ.get("MARGINALIA_CAST_CACHE", "on") != "off" and _converted_fp32(folder):
-        path = str(cast_folder(folder, torch_dtype))
+    if copied_in(torch_dtype) and _converted_fp32(Path(path)):
+        path = str(cast_folder(Path(path), torch_dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()

@@ -239,7 +239,7 @@ def test_bf16_loads_from_a_conversion_copied_once_in_bf16(tmp_path, monkeypatch)
     stamp = (folder / "config.json").stat().st_mtime_ns
     assert models.cast_folder(copy, torch.bfloat16) == folder and (folder / "config.json").stat().st_mtime_ns == stamp
 
-    monkeypatch.setattr(models, "resolve", lambda spec, dtype: (str(copy), "copy"))
+    monkeypatch.setattr(models, "resolve", lambda spec, dtype: (str(copy), "copy", copy))
     lm = models.load_model("embedded", device="cpu", dtype="bf16", decode_weights="full")
     assert lm.model.config.name_or_path == str(folder)
     weight = lm.model.get_input_embeddings().weight
@@ -261,8 +261,8 @@ def test_a_gguf_converts_straight_into_the_dtype_the_engine_runs(tmp_path, monke
 
     fp32 = weights(models.convert_embedded())
     monkeypatch.setenv("MARGINALIA_CACHE", str(tmp_path))
-    folder, _ = models.resolve(models.EMBEDDED, torch.bfloat16)
-    assert Path(folder) == tmp_path / f"{models.EMBEDDED_FOLDER}-bfloat16"
+    folder, _, base = models.resolve(models.EMBEDDED, torch.bfloat16)
+    assert Path(folder) == tmp_path / f"{models.EMBEDDED_FOLDER}-bfloat16" and base == tmp_path / models.EMBEDDED_FOLDER
     assert not (tmp_path / models.EMBEDDED_FOLDER).exists()  # no fp32 conversion made on the way
     assert json.loads((Path(folder) / "config.json").read_text())["dtype"] == "bfloat16"
     direct = weights(Path(folder))
@@ -274,9 +274,9 @@ def test_a_gguf_converts_straight_into_the_dtype_the_engine_runs(tmp_path, monke
     assert (tmp_path / f"{models.EMBEDDED_FOLDER}.decode-gguf4.safetensors").exists()  # the packs' one name
 
     monkeypatch.setenv("MARGINALIA_CACHE", str(tmp_path / "second"))
-    fp32_folder, _ = models.resolve(models.EMBEDDED, torch.float32)
+    fp32_folder, _, _ = models.resolve(models.EMBEDDED, torch.float32)
     assert models.resolve(models.EMBEDDED, torch.float64)[0] == fp32_folder
-    cast, _ = models.resolve(models.EMBEDDED, torch.bfloat16)  # cast from the fp32 folder now there
+    cast, _, _ = models.resolve(models.EMBEDDED, torch.bfloat16)  # cast from the fp32 folder now there
     assert cast == str(models.in_dtype(Path(fp32_folder), torch.bfloat16))
     assert all(torch.equal(v, direct[k]) for k, v in weights(Path(cast)).items())
 

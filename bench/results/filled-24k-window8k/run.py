@@ -35,6 +35,8 @@ for c in cases[k::n]:
     chosen = [int(i) for i, keep in read["verdicts"]["combined"].items() if keep]
     rec = {"case": c["case"], "task": task, "kept": chosen, "recorded": c["records"]["wim-combined"]["prediction"],
            "recorded_score": c["records"]["wim-combined"]["score"]}
+    # A measurement script: it re-makes the answer window's passages from the recorded reads, so it reaches into
+    # the answering's private steps (no public API gives the passages a window would re-read without answering).
     def passages(selection, fill):
         reading, _ = ev.wim_read(case, ev.settings(case, "wim"), notes_only=read)
         a = reading.answering
