@@ -39,6 +39,7 @@ from pathlib import Path
 from engine.answering import FRESH_WINDOWS, answer_window, says_not_stated
 from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
+from engine.model import dtype_name
 from engine.wim import Settings
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
@@ -342,10 +343,13 @@ def gold_segments(case: Case, reading) -> list[int]:
 
 # ---- the record of results --------------------------------------------------------------------------------------
 def attention_kernel() -> str:
-    """Which attention the reads' prefill passes run: engine/kernels' fused one, or torch's."""
+    """Which attention the reads' prefill passes run: engine/kernels' fused one (on AMX's tiles or its AVX-512
+    path), or torch's."""
     from engine.attention import fused_enabled
-    from engine.kernels import load
-    return "fused" if fused_enabled() and load() is not None else "torch"
+    from engine.kernels import attention_use_amx, load
+    if not fused_enabled() or load() is None:
+        return "torch"
+    return "fused, AMX tiles" if attention_use_amx(True) else "fused"
 
 
 def fingerprint(engine, args) -> str:
@@ -359,7 +363,7 @@ def fingerprint(engine, args) -> str:
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
              *(["notes_so_far"] if getattr(args, "notes_so_far", False) else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
-             *(["attention=fused"] if attention_kernel() == "fused" else []),
+             *({"fused": ["attention=fused"], "fused, AMX tiles": ["attention=fused-amx"]}.get(attention_kernel(), [])),
              # decode weights asked for by name, not left to the engine (their sums differ: another record)
              *([f"decode={chosen}"] if (chosen := getattr(args, "decode_weights", None)
                                           or os.environ.get("MARGINALIA_DECODE_WEIGHTS"))
@@ -623,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = cases[k::n]
         record_path = out / f"eval_cases.shard{k}.jsonl"
     evaluator = evaluator_for(engine, args, args.reads)
-    meta = {"model": engine.lm.name, "dtype": str(engine.lm.dtype).removeprefix("torch."), "lengths": lengths,
+    meta = {"model": engine.lm.name, "dtype": dtype_name(engine.lm.dtype), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens, "copy_choice": args.copy_choice,
             "notes_so_far": args.notes_so_far,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or

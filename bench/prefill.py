@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from .common import RESULTS, book, cpu_name, load_engine, md_table, median, timed, write_results
@@ -81,9 +82,34 @@ def pass_shares(runner, cache, ids: list[int]) -> dict:
     return {"linears": linears / total, "attention": attention / total, "other": 1 - (linears + attention) / total}
 
 
-def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> list[dict]:
+class OtherAttention:
+    """The written-out pass with another attention kernel (MARGINALIA_ATTENTION set to `choice` during its
+    calls): the side-by-side column of --attention."""
+
+    def __init__(self, runner, choice: str):
+        self.runner, self.choice = runner, choice
+
+    def __call__(self, work):
+        import os
+        held = os.environ.get("MARGINALIA_ATTENTION")
+        os.environ["MARGINALIA_ATTENTION"] = self.choice
+        try:
+            return work()
+        finally:
+            if held is None:
+                del os.environ["MARGINALIA_ATTENTION"]
+            else:
+                os.environ["MARGINALIA_ATTENTION"] = held
+
+    def prefill(self, ids, cache):
+        return self(partial(self.runner.prefill, ids, cache))
+
+
+def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None, attention: str | None = None
+            ) -> list[dict]:
     """A row per length: the prefill of that many tokens into an empty cache against the yardstick measured right
-    before it (`reps` of each, medians), the attention kernel's rate at that context, and one profiled pass."""
+    before it (`reps` of each, medians), the attention kernel's rate at that context, and one profiled pass.
+    `attention`: also the written-out pass with that attention kernel, alternating with the others."""
     import torch
     from engine.cache import make_cache
     from engine.generate import PREFILL_CHUNK, Runner
@@ -102,6 +128,8 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> li
     # prepacked them (engine/packed.py's prepack_full_weights): the written-out pass over those, a third way
     unpacked = Runner(dense.lm.model, dense.lm.tokenizer, dense.lm.device) if dense is not None else None
     ways += [unpacked] if unpacked is not None else []
+    other = OtherAttention(runner, attention) if attention else None
+    ways += [other] if other is not None else []
     with torch.inference_mode():
         for way in ways:
             warm = make_cache(model, 2 * rows + 8)
@@ -110,15 +138,15 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> li
         out = []
         for n in lengths:
             log(f"prefill {n:,} tokens x{reps}")
-            yard, seconds, forward_seconds, dense_seconds = [], [], [], []
+            yard, seconds, forward_seconds, dense_seconds, other_seconds = [], [], [], [], []
             for rep in range(reps):
                 yard.append(linear_gflops(model, dtype, rows)["gflops"])
                 for way in ways if rep % 2 == 0 else ways[::-1]:  # the order alternates
                     cache = make_cache(model, n + rows)
                     t = time.perf_counter()
                     way.prefill(ids[:n], cache)
-                    (seconds if way is runner else forward_seconds if way is forward else dense_seconds).append(
-                        time.perf_counter() - t)
+                    {runner: seconds, forward: forward_seconds, unpacked: dense_seconds, other: other_seconds}[
+                        way].append(time.perf_counter() - t)
                     del cache
             flops = shape.prefill_flops(n)
             context = max(n, rows)
@@ -126,6 +154,7 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> li
             if context > rows:
                 runner.prefill(ids[:context - rows], cache)
             shares = pass_shares(runner, cache, ids[context - rows:context])
+            other_shares = other(partial(pass_shares, runner, cache, ids[context - rows:context])) if other else None
             del cache
             gflops = flops / median(seconds) / 1e9
             out.append({"tokens": n, "reps": reps, "seconds": median(seconds), "tokens_per_s": n / median(seconds),
@@ -136,7 +165,11 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None) -> li
                         "forward_ratio": flops / median(forward_seconds) / 1e9 / median(yard) if forward_seconds else None,
                         "attention_flop_share": shape.attention_flops(0, n) / flops,
                         "attention_kernel_gflops": attention_gflops(shape, dtype, context, rows),
-                        "last_pass_time_shares": shares})
+                        "last_pass_time_shares": shares,
+                        **({"other_attention": attention, "other_seconds": median(other_seconds),
+                            "other_ratio": flops / median(other_seconds) / 1e9 / median(yard),
+                            "other_attention_kernel_gflops": other(partial(attention_gflops, shape, dtype, context, rows)),
+                            "other_last_pass_time_shares": other_shares} if other else {})})
     return out
 
 
@@ -155,6 +188,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
           f"{r['attention_flop_share']:.0%}", f"{r['attention_kernel_gflops']:.0f}",
           " / ".join(f"{r['last_pass_time_shares'][k]:.0%}" for k in ("linears", "attention", "other"))]
          for r in rows])
+    others = [r for r in rows if r.get("other_attention")]
+    if others:
+        choice = others[0]["other_attention"]
+        table += "\n\n" + f"The same prefills with MARGINALIA_ATTENTION={choice}, alternating with the above:\n\n" + md_table(
+            ["tokens", "s", "prefill / matmuls", "time against the default's", "attention kernel GFLOP/s",
+             "last 512-token pass: linears / attention / other"],
+            [[f"{r['tokens']:,}", f"{r['other_seconds']:.2f}", f"{r['other_ratio']:.0%}",
+              f"{r['other_seconds'] / r['seconds']:.2f}x", f"{r['other_attention_kernel_gflops']:.0f}",
+              " / ".join(f"{r['other_last_pass_time_shares'][k]:.0%}" for k in ("linears", "attention", "other"))]
+             for r in others])
     return "\n".join([
         "# Prefill against the model's own matmuls\n",
         f"{meta['model']}, {meta['dtype']} (weights for passes of many rows: {meta.get('weights', 'full')}), "
@@ -178,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense", action="store_true",
                         help="where the engine prepacks its weights (the default with AMX), also time a second copy "
                              "of the model whose weights are left as they are (twice the memory)")
+    parser.add_argument("--attention", choices=["torch", "fused"], default=None,
+                        help="also time the written-out pass with this attention kernel (MARGINALIA_ATTENTION), "
+                             "alternating with the default")
     args = parser.parse_args(argv)
     if args.quick:
         if args.out is None:
@@ -203,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)
     b = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=lm.dtype)
     plain = 2 * PREFILL_CHUNK * cfg.hidden_size * cfg.intermediate_size / timed(lambda: a @ b, 5) / 1e9
-    rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps, dense=dense)
+    rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps, dense=dense,
+                   attention=args.attention)
     meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "weights": lm.info["prefill_weights"],
             "cpu": cpu_name(), "chunk": PREFILL_CHUNK, "reps": args.reps, "load": load, "plain_gflops": plain,
-            "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "target": TARGET}
+            "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "target": TARGET,
+            "attention": os.environ.get("MARGINALIA_ATTENTION", "auto"), "other_attention": args.attention}
     md = markdown(meta, rows)
     out = args.out or RESULTS
     name = "prefill" + ("" if args.model == "qwen2.5-1.5b" else f"_{args.model.replace('/', '_')}")

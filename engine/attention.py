@@ -29,14 +29,14 @@ pass at 7.5k tokens of context: 118 -> 65 ms for SmolLM2's shape, 219 -> 172 ms 
 with repeated heads against 4 MiB) no longer raise the peak memory of a long read. Same result bit for bit in
 fp32.
 
-On a CPU with AVX-512 BF16 and no AMX (MARGINALIA_ATTENTION unset or `auto`; `fused` or `torch` force either):
-passes of several tokens (with a mask, or causal with no past) go to the fused bf16 kernel of engine/kernels
-(online softmax, bf16 dot products), where it loaded and takes the call; anything else keeps the paths above.
-There torch's kernel ran attention at a third of the matmul rate and the fused one at ~4.5x torch's (a 4k
-prefill 1.43x faster, AMD EPYC). With AMX torch's kernel is the faster one: 777 against 187 GFLOP/s at 4k, a 4k
-prefill 10.5 against 17.2 s (Intel Xeon), so it stays. Quality, `bench.eval` at 4k (48 cases, seed 0, Intel
-Xeon): WiM 0.458 with torch's kernel, 0.450 with the fused one, the same answer on 37 of 48; plain reading
-0.488 and 0.467, 41 of 48 (docs/speed-and-memory.md).
+On a CPU with AVX-512 BF16 (MARGINALIA_ATTENTION unset or `auto`; `fused` or `torch` force either): passes of
+several tokens (with a mask, or causal with no past) go to the fused bf16 kernel of engine/kernels (online
+softmax; bf16 dot products, or AMX's tiles where the CPU has them), where it loaded and takes the call; anything
+else keeps the paths above. Without AMX torch's kernel ran attention at a third of the matmul rate and the fused
+one at ~4.5x torch's (a 4k prefill 1.43x faster, AMD EPYC). With AMX the kernel's AVX-512 path is slower than
+torch's (187 against 777 GFLOP/s at 4k), its tiles faster (~1,500 against ~1,000 GFLOP/s at 4k and 16k, Intel
+Xeon, 2 threads), so `auto` takes it there only where its tiles are in use. Quality: docs/speed-and-memory.md
+(`bench.eval` at 4k, 48 cases, seed 0, each kernel against torch's).
 """
 from __future__ import annotations
 
@@ -119,9 +119,11 @@ def fused_enabled() -> bool:
 
 @functools.cache
 def _fused_is_faster_here() -> bool:
-    from .kernels import cpu_flags
+    from .kernels import attention_use_amx, cpu_flags
     flags = cpu_flags()
-    return "avx512_bf16" in flags and "amx_bf16" not in flags
+    if "amx_bf16" in flags:
+        return attention_use_amx(True)  # its tiles beat torch's kernel there; its AVX-512 path does not
+    return "avx512_bf16" in flags
 
 
 def _fused(module, query, key, value, attention_mask, scaling, dropout, kwargs):

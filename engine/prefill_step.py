@@ -6,7 +6,8 @@ model: the same layers as transformers' forward, with less work around the matri
   the past and the pass are two calls with no mask, merged by their log-sum-exp: the past one with each key/value
   head's `group` query heads laid out as its rows (one [group * n x dim] @ [dim x p] product per key/value head,
   nothing copied), the pass itself causal. On a CPU where engine/kernels' fused kernel is the default (AVX-512
-  BF16 without AMX) that kernel takes the whole pass, computing the causal offset itself.
+  BF16; on AMX's tiles where the CPU has them) that kernel takes the whole pass, computing the causal offset
+  itself.
 - **The cache written in place**: the rotated keys go straight into their cache slots, the values are copied
   there once, no [n x (p + n)] mask is made and no module plumbing runs.
 - **The elementwise work in one pass each** (bf16, engine/kernels/prefill_rows.cpp, rounded where transformers

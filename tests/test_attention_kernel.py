@@ -1,6 +1,7 @@
 """engine/kernels' fused bf16 attention against torch's scaled_dot_product_attention in fp32 on the same bf16
-inputs: its error must stay within twice that of torch's own bf16 kernel (both round P and the output to bf16).
-Skipped where the kernel does not load (no avx512_bf16, no compiler or ninja)."""
+inputs: its error must stay within twice that of torch's own bf16 kernel (both round P and the output to bf16),
+on its AVX-512 path and, where the CPU has AMX, on its tiles. Skipped where the kernel does not load (no
+avx512_bf16, no compiler or ninja)."""
 from __future__ import annotations
 
 import pytest
@@ -54,16 +55,26 @@ def errors(query, key, value, mask, fused):
     return (fused.float() - reference).abs().max().item(), (theirs.float() - reference).abs().max().item()
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def path(request):
+    """The kernel's AVX-512 path, or its AMX tiles (skipped on a CPU without them); AMX back on afterwards."""
+    if request.param == "amx" and not kernels.attention_use_amx(True):
+        pytest.skip("no AMX tiles here")
+    kernels.attention_use_amx(request.param == "amx")
+    yield request.param
+    kernels.attention_use_amx(True)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("q,ctx", LENGTHS)
 @pytest.mark.parametrize("kind", ["causal", "causal-mask", "random-mask", "window-mask"])
-def test_matches_fp32_reference(shape, q, ctx, kind):
+def test_matches_fp32_reference(shape, q, ctx, kind, path):
     query, key, value = inputs(*shape, q, ctx)
     mask = {"random-mask": random_mask, "window-mask": window_mask}.get(kind, causal_mask)(q, ctx)
     fused = kernels.flash_attention(query, key, value, None if kind == "causal" else mask, None,
                                     causal=kind == "causal")
     ours, theirs = errors(query, key, value, mask, fused)
-    print(f"{shape} q={q} ctx={ctx} {kind}: max abs error {ours:.2e} (torch bf16 {theirs:.2e})")
+    print(f"{path} {shape} q={q} ctx={ctx} {kind}: max abs error {ours:.2e} (torch bf16 {theirs:.2e})")
     assert ours <= 2 * theirs + 1e-4, (ours, theirs)
 
 
@@ -79,7 +90,8 @@ def test_unsupported_calls_fall_back():
 
 def test_engine_attention_takes_the_kernel_where_it_is_the_faster(monkeypatch):
     """MARGINALIA_ATTENTION=fused routes a masked pass to the kernel and `torch` keeps torch's path; unset (auto),
-    the kernel runs on a CPU with AVX-512 BF16 and no AMX, where it is the faster (with AMX torch's is)."""
+    the kernel runs on a CPU with AVX-512 BF16: without AMX on its AVX-512 path, with AMX on its tiles (where its
+    AVX-512 path would be the slower)."""
     query, key, value = inputs(12, 2, 128, 512, 2048)
     mask = causal_mask(512, 2048)
     monkeypatch.setenv("MARGINALIA_ATTENTION", "torch")
@@ -91,5 +103,5 @@ def test_engine_attention_takes_the_kernel_where_it_is_the_faster(monkeypatch):
     assert (fused.float() - plain.float()).abs().max().item() < 0.02
     monkeypatch.delenv("MARGINALIA_ATTENTION")
     automatic, _ = attention(None, query, key, value, mask, scaling=None)
-    flags = kernels.cpu_flags()
-    assert torch.equal(automatic, fused if "amx_bf16" not in flags else plain)
+    tiles_or_none = "amx_bf16" not in kernels.cpu_flags() or kernels.attention_use_amx(True)
+    assert torch.equal(automatic, fused if tiles_or_none else plain)

@@ -1,6 +1,7 @@
 """Native kernels, built from source at first use; every failure means `None` and the caller's torch path.
 
-`flash_attention()` is the fused bf16 attention of attention_bf16.cpp (AVX-512 BF16 CPUs): it returns the
+`flash_attention()` is the fused bf16 attention of attention_bf16.cpp (AVX-512 BF16 CPUs; its products on
+AMX's tiles where the CPU has them): it returns the
 output [1, q, heads, dim], or None where the kernel is unavailable (no avx512_bf16, no compiler or ninja, a
 failed build) or the call is outside what it handles (not bf16, batch > 1, head_dim not a multiple of 64, a
 non-boolean mask), so a caller can always fall back to its own path.
@@ -101,9 +102,11 @@ class Native:
         return self._op
 
 
+# With AMX the same kernel runs its tiles' products on the tile unit (the source tests for the flags).
 ATTENTION = Native("attention_bf16.cpp", "marginalia::flash_attention_bf16",
                    ["-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-                   {"avx512_bf16", "avx512bw", "avx512vl"})
+                   {"avx512_bf16", "avx512bw", "avx512vl"},
+                   wider=(["-mamx-tile", "-mamx-bf16"], {"amx_tile", "amx_bf16"}))
 # -ffp-contract=off: a weight is rebuilt as a product then a sum, as gguf-py de-quantizes it, not as one FMA.
 # With AVX-512 VNNI the int8-input kernels take two groups an instruction (the same values bit for bit).
 GEMV = Native("gemv_gguf.cpp", "marginalia_gemv::gemv_int8_groups",
@@ -172,6 +175,14 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             _call_failed = True
         return None
 
+
+
+def attention_use_amx(enable: bool) -> bool:
+    """Turns the fused kernel's AMX tiles on or off (on where built with them and the OS grants them); returns
+    whether they are in use. For comparing the two paths: tests and bench.prefill."""
+    if ATTENTION.load() is None:
+        return False
+    return bool(torch.ops.marginalia.attention_use_amx(enable))
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, round_x: bool = False) -> torch.Tensor | None:
