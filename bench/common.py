@@ -67,6 +67,21 @@ def segment_tokens_for(text: str, tokenizer, segments: int) -> int:
 
 # ---- decoding control ----------------------------------------------------------------------------------------
 @contextmanager
+def environment(name: str, value: str):
+    """An engine setting (an environment variable the engine reads when it acts) set for the block, then as it was
+    found."""
+    held = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if held is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = held
+
+
+@contextmanager
 def fixed_length(*runners):
     """Decode every margin and answer to its full length (no stop token): every row then decodes exactly the
     same number of tokens, so a wall-time ratio compares reading patterns, not where the model chose to stop."""

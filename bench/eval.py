@@ -343,13 +343,13 @@ def gold_segments(case: Case, reading) -> list[int]:
 
 # ---- the record of results --------------------------------------------------------------------------------------
 def attention_kernel() -> str:
-    """Which attention the reads' prefill passes run: engine/kernels' fused one (on AMX's tiles or its AVX-512
-    path), or torch's."""
+    """Which attention the reads' prefill passes run: engine/kernels' fused one on AMX's tiles (`fused-amx`) or on
+    its AVX-512 path (`fused`), or torch's (`torch`)."""
     from engine.attention import fused_enabled
     from engine.kernels import attention_use_amx, load
     if not fused_enabled() or load() is None:
         return "torch"
-    return "fused, AMX tiles" if attention_use_amx(True) else "fused"
+    return "fused-amx" if attention_use_amx(True) else "fused"
 
 
 def fingerprint(engine, args) -> str:
@@ -363,7 +363,7 @@ def fingerprint(engine, args) -> str:
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
              *(["notes_so_far"] if getattr(args, "notes_so_far", False) else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
-             *({"fused": ["attention=fused"], "fused, AMX tiles": ["attention=fused-amx"]}.get(attention_kernel(), [])),
+             *([f"attention={kernel}"] if (kernel := attention_kernel()) != "torch" else []),
              # decode weights asked for by name, not left to the engine (their sums differ: another record)
              *([f"decode={chosen}"] if (chosen := getattr(args, "decode_weights", None)
                                           or os.environ.get("MARGINALIA_DECODE_WEIGHTS"))

@@ -21,7 +21,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from .common import RESULTS, book, cpu_name, load_engine, md_table, median, timed, write_results
+from .common import RESULTS, book, cpu_name, environment, load_engine, md_table, median, timed, write_results
 from .speed import TARGETS, Shape
 
 TARGET = TARGETS["prefill_efficiency"][1]  # bench.speed's row 4: prefill / the model's own matmuls, 512 and 4k
@@ -90,16 +90,8 @@ class OtherAttention:
         self.runner, self.choice = runner, choice
 
     def __call__(self, work):
-        import os
-        held = os.environ.get("MARGINALIA_ATTENTION")
-        os.environ["MARGINALIA_ATTENTION"] = self.choice
-        try:
+        with environment("MARGINALIA_ATTENTION", self.choice):
             return work()
-        finally:
-            if held is None:
-                del os.environ["MARGINALIA_ATTENTION"]
-            else:
-                os.environ["MARGINALIA_ATTENTION"] = held
 
     def prefill(self, ids, cache):
         return self(partial(self.runner.prefill, ids, cache))
@@ -138,16 +130,17 @@ def measure(engine, lengths=LENGTHS, reps: int = 2, log=print, dense=None, atten
         out = []
         for n in lengths:
             log(f"prefill {n:,} tokens x{reps}")
-            yard, seconds, forward_seconds, dense_seconds, other_seconds = [], [], [], [], []
+            yard, times = [], {way: [] for way in ways}
             for rep in range(reps):
                 yard.append(linear_gflops(model, dtype, rows)["gflops"])
                 for way in ways if rep % 2 == 0 else ways[::-1]:  # the order alternates
                     cache = make_cache(model, n + rows)
                     t = time.perf_counter()
                     way.prefill(ids[:n], cache)
-                    {runner: seconds, forward: forward_seconds, unpacked: dense_seconds, other: other_seconds}[
-                        way].append(time.perf_counter() - t)
+                    times[way].append(time.perf_counter() - t)
                     del cache
+            seconds, forward_seconds = times[runner], times.get(forward, [])
+            dense_seconds, other_seconds = times.get(unpacked, []), times.get(other, [])
             flops = shape.prefill_flops(n)
             context = max(n, rows)
             cache = make_cache(model, context + rows)
@@ -237,21 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     lm = engine.lm
     dense = None
     if args.dense and lm.prepacked and lm.prepacked["matrices"]:  # the same model, its weights left as they are
-        asked = os.environ.get("MARGINALIA_PREPACK")
-        os.environ["MARGINALIA_PREPACK"] = "off"
-        dense = load_engine(model=args.model)
-        if asked is None:  # prepacked by default here: leave the setting as it was found
-            del os.environ["MARGINALIA_PREPACK"]
-        else:
-            os.environ["MARGINALIA_PREPACK"] = asked
+        with environment("MARGINALIA_PREPACK", "off"):
+            dense = load_engine(model=args.model)
     from engine.generate import PREFILL_CHUNK
+    from engine.model import dtype_name
     cfg = lm.model.config.get_text_config(decoder=True)
     a = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=lm.dtype)
     b = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=lm.dtype)
     plain = 2 * PREFILL_CHUNK * cfg.hidden_size * cfg.intermediate_size / timed(lambda: a @ b, 5) / 1e9
     rows = measure(engine, [int(x) for x in args.lengths.split(",")], args.reps, dense=dense,
                    attention=args.attention)
-    meta = {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+    meta = {"model": lm.name, "dtype": dtype_name(lm.dtype), "threads": torch.get_num_threads(),
             "weights": lm.info["prefill_weights"],
             "cpu": cpu_name(), "chunk": PREFILL_CHUNK, "reps": args.reps, "load": load, "plain_gflops": plain,
             "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "target": TARGET,
