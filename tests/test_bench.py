@@ -60,6 +60,7 @@ def test_prefill_quick(tmp_path):
     assert [r["tokens"] for r in data["rows"]] == [256, 640]
     for r in data["rows"]:
         assert all(_number(r[k]) and r[k] > 0 for k in ("ratio", "gflops", "linear_gflops", "attention_kernel_gflops",
+                                                        "linears_in_order_gflops", "ratio_to_in_order",
                                                         "forward_seconds", "forward_ratio"))  # both ways, one run
         shares = r["last_pass_time_shares"]
         assert all(0 <= v <= 1 for v in shares.values()) and shares["linears"] > 0 and shares["attention"] > 0
