@@ -55,7 +55,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine.classify import CLASSIFIERS
-    from engine.wim import Settings
+    from engine.settings import Settings
 
     on_space = bool(os.environ.get("SPACE_ID"))
     p = argparse.ArgumentParser(prog="app.py", description="Marginalia: read a long document with a small model.")
@@ -83,10 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-tokens", type=int, default=_env_int("MARGINALIA_SEGMENT_TOKENS", Settings.segment_tokens))
     p.add_argument("--margin-tokens", type=int, default=_env_int("MARGINALIA_MARGIN_TOKENS", Settings.margin_tokens))
     p.add_argument("--answer-tokens", type=int, default=_env_int("MARGINALIA_ANSWER_TOKENS", Settings.answer_tokens))
-    p.add_argument("--reasoning-tokens", type=int,
-                   default=_env_int("MARGINALIA_REASONING_TOKENS", Settings.reasoning_tokens),
-                   help="above 0: an answer first says what the notes and the document say (up to this many "
-                        "tokens), shown folded under it [env MARGINALIA_REASONING_TOKENS, default 0: off]")
     p.add_argument("--classifier", choices=CLASSIFIERS,
                    default=os.environ.get("MARGINALIA_CLASSIFIER", Settings.classifier),
                    help="combined: MiniLM, or a note sure of itself; margin: relevance from the note itself; llm: "
@@ -133,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import documents
     from app.service import Defaults, Service
     from app.database_home import open_database
-    from engine.wim import Engine
+    from engine import Engine
 
     log.info("loading the model %r (once, at start-up)…", args.model)
     t = time.perf_counter()
@@ -145,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     # Off a mount where SQLite is not safe, the database goes to local disk and a copy of it is kept on the mount.
     store, backup = open_database(data_dir, DATA, interval=_env_int("MARGINALIA_BACKUP_SECONDS", 30))
     defaults = Defaults(args.segment_tokens, args.margin_tokens, args.answer_tokens, args.classifier,
-                        args.context_limit, args.margins, args.reasoning_tokens)
+                        args.context_limit, args.margins)
     service = Service(engine, store, defaults, load=lambda spec: Engine.load(spec, args.device, args.dtype,
                                                                    decode_weights=args.decode_weights),
                       data_dir=data_dir)

@@ -5,7 +5,7 @@ import json
 import os
 
 from engine.events import Stats
-from engine.wim import Settings
+from engine import Settings
 
 from . import worker
 from .errors import UserError
@@ -36,7 +36,7 @@ def benchmarked_rates(path: str | None = None) -> dict[str, dict]:
 
 
 class Models:
-    """Service's part that loads, switches and times the model (state: engine, rates, measured, _load)."""
+    """Service's part that loads, switches and times the model (state: engine, rates, measured, load_engine)."""
 
     def warm_up(self) -> dict:
         """Measure this machine's speed for the reading-time estimates: a plain read of a few hundred tokens
@@ -101,14 +101,13 @@ class Models:
         if self.jobs.any_running():
             raise UserError("A reading or an answer is running: stop it (or wait) before switching models.")
         try:
-            engine = self._load(spec)
+            engine = self.load_engine(spec)
         except (ValueError, RuntimeError, OSError) as e:
             raise UserError(f"Could not load {spec}: {e}") from e
         old, self.engine = self.engine, engine
         self.model = engine.lm.name
         worker.set_engine(engine)  # drops the readings cached for the old model
-        with self._lock:
-            self._segments.clear()  # segments are measured in the old model's tokens
+        self.layouts.use(engine)  # segments are measured in the old model's tokens
         del old
         import gc
         gc.collect()
@@ -117,7 +116,7 @@ class Models:
             self.warm_up()
         return True
 
-    def _learn_rates(self, stats: Stats, estimated_s: float, took_s: float) -> None:
+    def learn_rates(self, stats: Stats, estimated_s: float, took_s: float) -> None:
         """After a finished reading: the decode rate it measured, and how far its time was from the estimate
         (a scale on every later estimate, moved halfway, in ratio, toward what this reading took)."""
         if stats.stopped or estimated_s <= 0 or took_s <= 1:

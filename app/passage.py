@@ -1,10 +1,8 @@
-"""From a margin to its passage: the segment's text with the margin's spans highlighted, reflowed for reading,
-and for a PDF the page itself with the spans' character boxes drawn on it. No Gradio, no SQLite.
+"""From a margin to its PDF page: the page rendered, with the boxes of the characters the margin's spans cover.
+No Gradio, no SQLite, no HTML (app/render.py draws the passage and the page).
 
 Offsets. Everything here takes character offsets into the document's stored text (what the engine reads,
-what `margins.spans` and `documents.page_starts` refer to). Reflowing (joining a PDF's hard-wrapped lines,
-undoing end-of-line hyphenation) happens only on the way to the screen: `render.reflow` returns one display string
-per source character, so a highlight still covers exactly the characters its offsets name.
+what `margins.spans` and `documents.page_starts` refer to).
 
 PDF pages. engine/documents.py stores each page's text cleaned (`_clean_pdf_text`) and joined with "\\n\\n".
 `clean_with_map` repeats that cleaning while remembering which raw PDFium text index each kept character came
@@ -13,7 +11,6 @@ it was copied from. PDFium is not thread-safe: every call here holds the same lo
 """
 from __future__ import annotations
 
-import base64
 import bisect
 import io
 import os
@@ -24,81 +21,10 @@ from collections import OrderedDict
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
-from engine.documents import _PDFIUM_LOCK  # one lock for every PDFium call in the process
-from .render import esc, pages_label, reflow
+from engine.documents import PDFIUM_LOCK  # one lock for every PDFium call in the process
 
-CONTEXT_CHARS = 300          # text shown (dimmed) before and after the segment
 PAGE_SCALE = 1.5             # 108 dpi: readable in a ~600 px column without rendering huge bitmaps
 PAGE_CACHE = 12              # rendered pages kept in memory (PNG bytes of the unmarked page)
-
-
-# ---------------------------------------------------------------- the passage, as text
-
-def _clip(spans, lo: int, hi: int) -> list[tuple[int, int]]:
-    out = []
-    for s, e in spans or ():
-        s, e = max(int(s), lo), min(int(e), hi)
-        if e > s:
-            out.append((s, e))
-    return sorted(out)
-
-
-def _window(text: str, seg_start: int, seg_end: int, context: int) -> tuple[int, int]:
-    """The shown stretch: the segment and `context` characters either side, cut at whitespace."""
-    lo, hi = max(0, seg_start - context), min(len(text), seg_end + context)
-    if lo > 0:
-        cut = text.find(" ", lo, seg_start)
-        lo = cut + 1 if cut != -1 else lo
-    if hi < len(text):
-        cut = text.rfind(" ", seg_end, hi)
-        hi = cut if cut != -1 else hi
-    return lo, hi
-
-
-def passage_html(text: str, kind: str, seg_start: int, seg_end: int, index: int, total: int,
-                 pages: tuple[int, int] | None = None, spans=(), margin: str | None = None,
-                 context: int = CONTEXT_CHARS) -> str:
-    """One segment of the document, with the margin's spans highlighted (the whole segment when it has none).
-    `margin`: the margin's text; None when the segment has no margin yet.
-
-    Each highlight is a <mark class="mg-span"> carrying data-start/data-end, the offsets it covers."""
-    spans = _clip(spans, seg_start, seg_end)
-    whole = not spans
-    marks = spans or [(seg_start, seg_end)]
-    lo, hi = _window(text, seg_start, seg_end, context)
-    shown = reflow(text, lo, hi, dehyphenate=kind == "pdf") if kind in ("pdf", "txt") else list(text[lo:hi])
-    cuts = sorted({lo, hi, seg_start, seg_end, *(x for s in marks for x in s)})
-    parts = ["…" if lo > 0 else ""]
-    for a, b in zip(cuts, cuts[1:]):
-        shown_text = esc("".join(shown[a - lo:b - lo]))
-        if any(s <= a and b <= e for s, e in marks):
-            parts.append(f'<mark class="mg-span" data-start="{a}" data-end="{b}">{shown_text}</mark>')
-        elif seg_start <= a and b <= seg_end:
-            parts.append(f'<span class="mg-seg-text">{shown_text}</span>')
-        else:
-            parts.append(f'<span class="mg-ctx">{shown_text}</span>')
-    parts.append("…" if hi < len(text) else "")
-    meta = [f"segment {index + 1} of {total}"]
-    if pages:
-        meta.append(pages_label(pages))
-    if margin is None:
-        meta.append("no margin yet: whole segment highlighted")
-    elif whole:
-        meta.append("whole segment highlighted: this margin copied no passage")
-    else:
-        meta.append(f"{len(spans)} passage{'s' if len(spans) != 1 else ''} the margin copied highlighted")
-    note = f'<div class="mg-passage-margin"><span>Margin</span> {esc(margin)}</div>' if margin else ""
-    return (f'<div class="mg-segview mg-passage" data-index="{index}" data-whole="{1 if whole else 0}" '
-            f'data-start="{seg_start}" data-end="{seg_end}"><div class="mg-segview-head">'
-            f'<span class="mg-segview-label">Passage</span> {esc(" · ".join(meta))}</div>{note}'
-            f'<div class="mg-segview-body mg-reflowed">{"".join(parts)}</div></div>')
-
-
-def empty_passage() -> str:
-    return ('<div class="mg-segview mg-passage mg-segview-empty"><div class="mg-segview-head">'
-            '<span class="mg-segview-label">Passage</span></div><div class="mg-segview-body">Click a margin card, '
-            'a cell of the reading map or an answer\'s segment chip to see its passage here, highlighted.'
-            '</div></div>')
 
 
 # ---------------------------------------------------------------- PDF pages
@@ -174,7 +100,7 @@ class PageImages:
             png = self._cache.get(key)
             if png is not None:
                 self._cache.move_to_end(key)
-        with _PDFIUM_LOCK:
+        with PDFIUM_LOCK:
             pdf = pdfium.PdfDocument(pdf_path)
             try:
                 page = pdf[page_no - 1]
@@ -223,28 +149,3 @@ class PageImages:
                 boxes.append((round((x0 - left) * self.scale), round((bottom + height - y1) * self.scale),
                               round((x1 - left) * self.scale), round((bottom + height - y0) * self.scale)))
         return boxes
-
-
-def page_html(result: dict | None, page_no: int | None, pages_total: int | None, message: str = "",
-              continues: int | None = None) -> str:
-    """The page tab: the rendered page as an inline PNG, or why there is none. `continues`: the last page the
-    passage runs on to, when it does not end on this one."""
-    if result is None:
-        body = esc(message or "Pages show here for PDF documents.")
-        return f'<div class="mg-page mg-page-empty">{body}</div>'
-    data = base64.b64encode(result["png"]).decode("ascii")
-    of = f" of {pages_total}" if pages_total else ""
-    w, h = result["width"], result["height"]
-    focus = min(b[1] for b in result["boxes"]) / h if result["boxes"] else 0.0
-    boxes = "".join(
-        f'<span class="mg-box" style="left:{100 * x0 / w:.2f}%;top:{100 * y0 / h:.2f}%;'
-        f'width:{100 * (x1 - x0) / w:.2f}%;height:{100 * (y1 - y0) / h:.2f}%"></span>'
-        for x0, y0, x1, y1 in result["boxes"])
-    n = len(result["boxes"])
-    return (f'<div class="mg-page" data-page="{page_no}" data-focus="{focus:.3f}"><div class="mg-segview-head">'
-            f'<span class="mg-segview-label">Page {page_no}{of}</span> the passage\'s characters highlighted'
-            f'{"" if n else " (none found on this page)"}'
-            f'{f" · continues to p. {continues}" if continues and continues > page_no else ""}</div>'
-            f'<div class="mg-page-scroll"><div class="mg-page-frame">'
-            f'<img class="mg-page-img" data-page="{page_no}" alt="Page {page_no} of the PDF" width="{w}" '
-            f'height="{h}" src="data:image/png;base64,{data}">{boxes}</div></div></div>')

@@ -1,5 +1,6 @@
-"""HTML for Marginalia's screen: the margin panel (progress, reading map, cards), the segment being read,
-the answers, the document card and notices.
+"""HTML for Marginalia's screen, drawn from app/records.py's records: the margin panel (progress, reading map,
+cards), the segment being read, the answers, the document card, a margin's passage and page, the library and
+notices.
 
 Every piece of text that comes from a document, a model or a user goes through `esc()`: documents and
 margins are shown as text, never interpreted as HTML. Numbers and fixed words are formatted here too,
@@ -7,11 +8,16 @@ so the Gradio layer only moves strings around.
 """
 from __future__ import annotations
 
+import base64
+import datetime
 import html
 import math
-from dataclasses import dataclass, field
 
 from engine.attribution import CITATION, cited
+
+from .records import AnswerView, Card, DocumentCard, LibraryView, PageView, Panel, PassageView, SegmentInfo, \
+    SegmentView
+
 
 # Segment numbers on screen are 1-based (the engine's indexes are 0-based).
 
@@ -45,58 +51,6 @@ def duration(seconds: float | None) -> str:
 
 
 # ---------------------------------------------------------------- what the panel shows
-
-@dataclass
-class Card:
-    index: int
-    pages: tuple[int, int] | None = None
-    text: str = ""
-    verdict: bool | None = None     # the classifier's
-    score: float | None = None
-    mark: bool | None = None        # the reader's override
-    done: bool = False              # False while the margin is being written
-
-    @property
-    def effective(self) -> bool | None:
-        return self.mark if self.mark is not None else self.verdict
-
-
-@dataclass
-class SegmentInfo:
-    index: int
-    tokens: int
-    pages: tuple[int, int] | None = None
-
-
-@dataclass
-class Panel:
-    """Everything the right-hand panel shows for one session."""
-    session_id: str = ""
-    status: str = "idle"   # idle | queued | reading | stopping | stopped | interrupted | done | error | answering
-    message: str = ""
-    segments: list[SegmentInfo] = field(default_factory=list)
-    cards: dict[int, Card] = field(default_factory=dict)
-    read: set[int] = field(default_factory=set)      # segments in the cache (or skipped on resume)
-    current: int | None = None                        # segment being read or written about
-    tokens_per_s: float | None = None
-    # A server backend: share of the prompt tokens sent that the server found in its prefix cache (None: local).
-    reuse: float | None = None
-    eta_s: float | None = None
-    used: set[int] = field(default_factory=set)      # margins the latest answer used
-    window: int = 0        # context window being read (0: the first; a long text is read in several)
-    classifier: str = "llm"
-    kind: str | None = None  # the document's (pdf, txt, ...): a PDF's and a text's notes are shown reflowed
-    ready: bool = True   # False only in the page's initial HTML, before the load event has run
-
-    @property
-    def total(self) -> int:
-        return len(self.segments)
-
-    @property
-    def done_count(self) -> int:
-        """Segments finished: read, and their margin written (or kept from before)."""
-        return sum(1 for i in self.read if i in self.cards and self.cards[i].done)
-
 
 def _verdict_label(card: Card, classifier: str) -> str:
     if not card.done:
@@ -309,19 +263,14 @@ def empty_segment() -> str:
             '<div class="mg-segview-body">The text of the segment being read shows here.</div></div>')
 
 
+def segment_view_html(view: SegmentView | None) -> str:
+    if view is None:
+        return empty_segment()
+    return segment_html(view.text, view.start, view.end, view.index, view.total, view.pages, view.tokens,
+                        label=view.label, kind=view.kind)
+
+
 # ---------------------------------------------------------------- answers
-
-@dataclass
-class AnswerView:
-    question: str
-    text: str = ""
-    used: list[int] = field(default_factory=list)
-    pages: dict[int, tuple[int, int] | None] = field(default_factory=dict)
-    done: bool = True
-    note: str = ""
-    seconds: float | None = None
-    reasoning: str = ""  # what the answer said before "Answer:", folded under it
-
 
 def with_citation_chips(text: str, used: list[int], pages: dict) -> str:
     """The answer's text, escaped, with each inline citation ("[segment 12]") as a chip that opens that passage.
@@ -404,6 +353,13 @@ def no_document() -> str:
     return '<div class="mg-doc mg-doc-empty">No document yet: upload a .txt, .md, .pdf or .epub file.</div>'
 
 
+def document_card_html(card: DocumentCard | None) -> str:
+    if card is None:
+        return no_document()
+    return document_html(card.title, card.kind, card.name, card.pages, card.chars, card.tokens, card.segments,
+                         card.segment_tokens, card.estimate_s, card.problem, card.note, card.warning)
+
+
 def notice_html(message: str, kind: str = "error") -> str:
     if not message:
         return ""
@@ -460,3 +416,187 @@ def model_info_html(info: dict, rates: dict | None = None) -> str:
                                        f"writing ≈ {rates['decode']:,.1f} tokens/s"))
     body = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows if v is not None)
     return f'<dl class="mg-modelinfo">{body}</dl>'
+
+
+# ---------------------------------------------------------------- a margin's passage and page
+
+CONTEXT_CHARS = 300          # text shown (dimmed) before and after the passage's segment
+
+def _clip(spans, lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for s, e in spans or ():
+        s, e = max(int(s), lo), min(int(e), hi)
+        if e > s:
+            out.append((s, e))
+    return sorted(out)
+
+
+def _window(text: str, seg_start: int, seg_end: int, context: int) -> tuple[int, int]:
+    """The shown stretch: the segment and `context` characters either side, cut at whitespace."""
+    lo, hi = max(0, seg_start - context), min(len(text), seg_end + context)
+    if lo > 0:
+        cut = text.find(" ", lo, seg_start)
+        lo = cut + 1 if cut != -1 else lo
+    if hi < len(text):
+        cut = text.rfind(" ", seg_end, hi)
+        hi = cut if cut != -1 else hi
+    return lo, hi
+
+
+def passage_html(text: str, kind: str, seg_start: int, seg_end: int, index: int, total: int,
+                 pages: tuple[int, int] | None = None, spans=(), margin: str | None = None,
+                 context: int = CONTEXT_CHARS) -> str:
+    """One segment of the document, with the margin's spans highlighted (the whole segment when it has none).
+    `margin`: the margin's text; None when the segment has no margin yet.
+
+    Each highlight is a <mark class="mg-span"> carrying data-start/data-end, the offsets it covers."""
+    spans = _clip(spans, seg_start, seg_end)
+    whole = not spans
+    marks = spans or [(seg_start, seg_end)]
+    lo, hi = _window(text, seg_start, seg_end, context)
+    shown = reflow(text, lo, hi, dehyphenate=kind == "pdf") if kind in ("pdf", "txt") else list(text[lo:hi])
+    cuts = sorted({lo, hi, seg_start, seg_end, *(x for s in marks for x in s)})
+    parts = ["…" if lo > 0 else ""]
+    for a, b in zip(cuts, cuts[1:]):
+        shown_text = esc("".join(shown[a - lo:b - lo]))
+        if any(s <= a and b <= e for s, e in marks):
+            parts.append(f'<mark class="mg-span" data-start="{a}" data-end="{b}">{shown_text}</mark>')
+        elif seg_start <= a and b <= seg_end:
+            parts.append(f'<span class="mg-seg-text">{shown_text}</span>')
+        else:
+            parts.append(f'<span class="mg-ctx">{shown_text}</span>')
+    parts.append("…" if hi < len(text) else "")
+    meta = [f"segment {index + 1} of {total}"]
+    if pages:
+        meta.append(pages_label(pages))
+    if margin is None:
+        meta.append("no margin yet: whole segment highlighted")
+    elif whole:
+        meta.append("whole segment highlighted: this margin copied no passage")
+    else:
+        meta.append(f"{len(spans)} passage{'s' if len(spans) != 1 else ''} the margin copied highlighted")
+    note = f'<div class="mg-passage-margin"><span>Margin</span> {esc(margin)}</div>' if margin else ""
+    return (f'<div class="mg-segview mg-passage" data-index="{index}" data-whole="{1 if whole else 0}" '
+            f'data-start="{seg_start}" data-end="{seg_end}"><div class="mg-segview-head">'
+            f'<span class="mg-segview-label">Passage</span> {esc(" · ".join(meta))}</div>{note}'
+            f'<div class="mg-segview-body mg-reflowed">{"".join(parts)}</div></div>')
+
+
+def empty_passage() -> str:
+    return ('<div class="mg-segview mg-passage mg-segview-empty"><div class="mg-segview-head">'
+            '<span class="mg-segview-label">Passage</span></div><div class="mg-segview-body">Click a margin card, '
+            'a cell of the reading map or an answer\'s segment chip to see its passage here, highlighted.'
+            '</div></div>')
+
+
+def page_html(result: dict | None, page_no: int | None, pages_total: int | None, message: str = "",
+              continues: int | None = None) -> str:
+    """The page tab: the rendered page as an inline PNG, or why there is none. `continues`: the last page the
+    passage runs on to, when it does not end on this one."""
+    if result is None:
+        body = esc(message or "Pages show here for PDF documents.")
+        return f'<div class="mg-page mg-page-empty">{body}</div>'
+    data = base64.b64encode(result["png"]).decode("ascii")
+    of = f" of {pages_total}" if pages_total else ""
+    w, h = result["width"], result["height"]
+    focus = min(b[1] for b in result["boxes"]) / h if result["boxes"] else 0.0
+    boxes = "".join(
+        f'<span class="mg-box" style="left:{100 * x0 / w:.2f}%;top:{100 * y0 / h:.2f}%;'
+        f'width:{100 * (x1 - x0) / w:.2f}%;height:{100 * (y1 - y0) / h:.2f}%"></span>'
+        for x0, y0, x1, y1 in result["boxes"])
+    n = len(result["boxes"])
+    return (f'<div class="mg-page" data-page="{page_no}" data-focus="{focus:.3f}"><div class="mg-segview-head">'
+            f'<span class="mg-segview-label">Page {page_no}{of}</span> the passage\'s characters highlighted'
+            f'{"" if n else " (none found on this page)"}'
+            f'{f" · continues to p. {continues}" if continues and continues > page_no else ""}</div>'
+            f'<div class="mg-page-scroll"><div class="mg-page-frame">'
+            f'<img class="mg-page-img" data-page="{page_no}" alt="Page {page_no} of the PDF" width="{w}" '
+            f'height="{h}" src="data:image/png;base64,{data}">{boxes}</div></div></div>')
+
+
+def passage_view_html(view: PassageView | None) -> str:
+    if view is None:
+        return empty_passage()
+    return passage_html(view.text, view.kind, view.start, view.end, view.index, view.total, view.pages, view.spans,
+                        view.margin)
+
+
+def page_view_html(view: PageView) -> str:
+    return page_html(view.image, view.page_no, view.pages_total, view.message, view.continues)
+
+
+# ---------------------------------------------------------------- the library
+
+def _when(iso: str | None) -> str:
+    try:
+        return datetime.datetime.fromisoformat(iso).astimezone().strftime("%d %b %Y %H:%M")
+    except (TypeError, ValueError):
+        return "—"
+
+
+def _size(row: dict) -> str:
+    if row["pages"]:
+        return f"{row['pages']:,} page{'s' if row['pages'] != 1 else ''}"
+    if row["tokens"]:
+        return f"{row['tokens']:,} tokens"
+    return f"{row['chars']:,} characters"
+
+
+def _library_status(row: dict, running: set[str]) -> str:
+    if row["id"] in running:
+        return "reading"
+    if row["segments_total"] and row["segments_read"] >= row["segments_total"]:
+        return "read"
+    return "stopped" if row["segments_read"] else "not started"
+
+
+def library_html(library: LibraryView | None = None) -> str:
+    """This browser's documents and their readings (or, logged in on a Space, the account's). Each reading row
+    carries data-session; its buttons carry data-action (open | continue | delete), which static/library.js sends
+    to the server. Documents are grouped in the order of their most recently opened reading. The library says
+    whose it is in data-owner: `account` or `browser`."""
+    library = library or LibraryView([])
+    rows, running, current, account = library.rows, library.running, library.current, library.account
+    whose = "" if not library.known else f' data-owner="{"account" if account else "browser"}"'
+    head = (f'<div class="mg-library-account">Signed in as {esc(account)}: these readings follow your account to '
+            'any browser where you sign in.</div>' if account else "")
+    if not rows:
+        return (f'<div class="mg-library mg-library-empty"{whose}>{head}Your library is empty: the documents you '
+                'read here are listed with their progress, to open or continue later.</div>')
+    docs: dict[int, list[dict]] = {}
+    for row in rows:
+        docs.setdefault(row["document_id"], []).append(row)
+    out = []
+    for doc_id, readings in docs.items():
+        first = readings[0]
+        title = first["title"] or first["document_name"]
+        items = []
+        for r in readings:
+            total, read = r["segments_total"] or 0, r["segments_read"] or 0
+            pct = 0 if not total else round(100 * read / total)
+            status = _library_status(r, running)
+            can_continue = status == "stopped" and r["id"] not in running
+            question = r["question"] or "(no question)"
+            buttons = ['<button type="button" class="mg-lib-btn" data-action="open">Open</button>']
+            if can_continue:
+                buttons.append('<button type="button" class="mg-lib-btn" data-action="continue">Continue</button>')
+            if r["id"] not in running:
+                buttons.append('<button type="button" class="mg-lib-btn mg-lib-delete" data-action="delete">'
+                               'Delete</button>')
+            here = ' data-current="1"' if r["id"] == current else ""
+            items.append(
+                f'<li class="mg-reading" data-session="{esc(r["id"])}" data-read="{read}" data-total="{total}" '
+                f'data-status="{status}"{here}>'
+                f'<div class="mg-reading-q">“{esc(question)}”</div>'
+                f'<div class="mg-reading-progress" title="{read} of {total} segments read">'
+                f'<div class="mg-progress"><div class="mg-progress-bar" style="width:{pct}%"></div></div>'
+                f'<span class="mg-reading-count">{read} / {total} segments · {esc(status)}</span></div>'
+                f'<div class="mg-reading-facts">{r["kept"]} margin{"s" if r["kept"] != 1 else ""} kept · '
+                f'{r["answers_count"]} question{"s" if r["answers_count"] != 1 else ""} asked · '
+                f'opened {esc(_when(r["opened"]))} · {esc(r["model"] or "?")}</div>'
+                f'<div class="mg-reading-actions">{"".join(buttons)}</div></li>')
+        out.append(
+            f'<section class="mg-libdoc" data-document="{doc_id}"><header><span class="mg-libdoc-title">'
+            f'{esc(title)}</span><span class="mg-libdoc-meta">{esc(first["kind"].upper())} · {esc(_size(first))}'
+            f' · {esc(first["document_name"])}</span></header><ul>{"".join(items)}</ul></section>')
+    return f'<div class="mg-library"{whose}>{head}{"".join(out)}</div>'

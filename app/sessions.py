@@ -1,4 +1,5 @@
-"""The library and its sessions: listing, opening, marks, export and delete, each for its owner only."""
+"""The library and its sessions: listing, opening (as app/records.py records), marks, export and delete, each for
+its owner only."""
 from __future__ import annotations
 
 import json
@@ -7,12 +8,11 @@ import re
 import shutil
 import tempfile
 
-from . import passage as passages
-from . import render, worker
-from .documents import remember
+from . import exports, worker
 from .errors import UserError
-from .library import library_html
-from .render import AnswerView, Card, Panel, SegmentInfo
+from .records import AnswerView, Card, LibraryView, Panel, Passage, SegmentInfo, SegmentView, SessionView
+
+ACCOUNT = "hf:"  # the owner of a logged-in account's sessions: ACCOUNT + its Hugging Face username
 
 
 def _slug(text: str) -> str:
@@ -22,7 +22,7 @@ def _slug(text: str) -> str:
 class Sessions:
     """Service's part for stored sessions: what the screen shows of one, and what the reader does to it."""
 
-    def _session(self, owner: str, session_id: str | None) -> dict:
+    def owned_session(self, owner: str, session_id: str | None) -> dict:
         if not owner:
             raise UserError("The page is still loading; please try again in a moment.")
         session = self.store.get_session(session_id, owner) if session_id else None
@@ -30,20 +30,12 @@ class Sessions:
             raise UserError("No reading is open. Upload a document and press Read first.")
         return session
 
-    def _segments_of(self, session: dict, doc: dict | None = None) -> list:
-        sid = session["id"]
-        with self._lock:
-            if sid in self._segments:
-                self._segments.move_to_end(sid)
-                return self._segments[sid]
+    def segments_of(self, session: dict, doc: dict | None = None) -> list:
+        """The session's document in segments (made once: app/layouts.py)."""
         doc = doc or self.store.get_document(session["document_id"])
-        try:
-            segments = self._open(doc, worker.settings_from(session["settings"])).segments
-        except ValueError:
-            segments = []
-        return remember(self._segments, sid, segments, 32, self._lock)
+        return self.layouts.segmented(doc, session["settings"]).segments
 
-    def _status(self, session: dict) -> str:
+    def status_of(self, session: dict) -> str:
         """The panel status for a stored session, knowing what runs in this process."""
         sid, status = session["id"], session["status"]
         running = self.jobs.running(sid)
@@ -57,18 +49,18 @@ class Sessions:
             return "done" if session["segments_read"] >= session["segments_total"] else "stopped"
         return {"stopped": "stopped", "error": "error"}.get(status, "idle")
 
-    def _other_model(self, session: dict, to: str) -> str:
+    def other_model(self, session: dict, to: str) -> str:
         """Why a session read by another model cannot continue: its margins and cache are that model's."""
         return (f"This reading was made with {session['model']}; the model loaded now is {self.model}. "
                 f"Its margins and cache belong to that model, so they are not mixed: pick {session['model']} "
                 f"under Model to {to}, or start a new reading with this one.")
 
     def can_resume(self, session: dict) -> bool:
-        return (self._status(session) in ("stopped", "interrupted", "error")
+        return (self.status_of(session) in ("stopped", "interrupted", "error")
                 and session["segments_read"] < session["segments_total"])
 
-    def _panel(self, session: dict, margins: list[dict], segments: list) -> Panel:
-        panel = Panel(session_id=session["id"], classifier=session["settings"].get("classifier", "llm"),
+    def panel_of(self, session: dict, margins: list[dict], segments: list) -> Panel:
+        panel = Panel(session_id=session["id"], classifier=session["settings"].classifier,
                       kind=session.get("document_kind"))
         panel.segments = [SegmentInfo(s.index, s.tokens, s.pages) for s in segments]
         for m in margins:
@@ -76,84 +68,79 @@ class Sessions:
             panel.cards[m["segment_index"]] = Card(m["segment_index"], pages, m["text"], m["verdict"], m["score"],
                                                    m["mark"], done=True)
             panel.read.add(m["segment_index"])
-        panel.status = self._status(session)
+        panel.status = self.status_of(session)
         return panel
 
-    def _answer_views(self, session_id: str, margins: list[dict]) -> list[AnswerView]:
+    def answer_views(self, session_id: str, margins: list[dict]) -> list[AnswerView]:
         pages = {m["segment_index"]: (m["page_start"], m["page_end"]) if m["page_start"] is not None else None
                  for m in margins}
         return [AnswerView(a["question"], a["text"], a["margins_used"], pages, True, seconds=a["seconds"],
                            reasoning=a["reasoning"])
                 for a in reversed(self.store.answers(session_id))]
 
-    def view(self, owner: str, session_id: str) -> dict:
+    def view(self, owner: str, session_id: str) -> SessionView:
         """Everything the screen shows for one stored session."""
-        session = self._session(owner, session_id)
+        session = self.owned_session(owner, session_id)
         doc = self.store.get_document(session["document_id"])
         margins = self.store.margins(session_id)
-        segments = self._segments_of(session, doc)
-        panel = self._panel(session, margins, segments)
-        answers = self._answer_views(session_id, margins)
+        segments = self.segments_of(session, doc)
+        panel = self.panel_of(session, margins, segments)
+        answers = self.answer_views(session_id, margins)
         if answers and answers[0].used:
             panel.used = set(answers[0].used)
-        settings = worker.settings_from(session["settings"])
+        segment = None
         if segments:
-            last = max(panel.read) if panel.read else 0
-            seg = segments[min(last, len(segments) - 1)]
-            label = "Last read" if panel.read else "First segment"
-            segment = render.segment_html(doc["text"], seg.char_start, seg.char_end, seg.index, len(segments),
-                                          seg.pages, seg.tokens, label=label, kind=doc["kind"])
-        else:
-            segment = render.empty_segment()
+            seg = segments[min(max(panel.read) if panel.read else 0, len(segments) - 1)]
+            segment = SegmentView(doc["text"], seg.char_start, seg.char_end, seg.index, len(segments), seg.pages,
+                                  seg.tokens, label="Last read" if panel.read else "First segment",
+                                  kind=doc["kind"])
         self.store.mark_opened(session_id)
         left_at = session.get("position")
         if left_at is not None and 0 <= left_at < len(segments):
-            shown = self._passage(session, doc, segments, left_at)
+            shown = self.passage_at(session, doc, segments, left_at)
         else:
-            shown = {"text": passages.empty_passage(), "page": self._no_page(doc)}
+            shown = Passage(None, self.no_page(doc))
         notice = ""
         if session["model"] and session["model"] != self.model:
-            notice = self._other_model(session, "resume it or ask about it") + " You can look at it and export it."
-        return {
-            "session_id": session_id, "document_id": session["document_id"],
-            "question": session["question"] or "", "settings": settings,
-            "document": self.document_html(session["document_id"], settings),
-            "panel": render.panel_html(panel), "answers": render.answers_html(answers), "segment": segment,
-            "resume": self.can_resume(session), "notice": notice,
-            "passage": shown["text"], "page": shown["page"], "position": left_at,
-        }
+            notice = self.other_model(session, "resume it or ask about it") + " You can look at it and export it."
+        settings = session["settings"]
+        return SessionView(session_id, session["document_id"], session["question"] or "", settings,
+                           self.document(session["document_id"], settings), panel, answers, segment,
+                           self.can_resume(session), notice, shown, left_at)
 
     def delete(self, owner: str, session_id: str) -> bool:
-        self._session(owner, session_id)
+        self.owned_session(owner, session_id)
         if self.jobs.busy(session_id):
             raise UserError("This reading is still running: stop it first.")
         worker.forget(session_id)
-        saved = self._cache_dir(self.store.get_session(session_id, owner))
+        saved = self.cache_dir(self.store.get_session(session_id, owner))
         deleted = self.store.delete_session(session_id, owner)
         if deleted and saved:
             shutil.rmtree(saved, ignore_errors=True)
         return deleted
 
-    def _cache_dir(self, session: dict | None) -> str | None:
+    def cache_dir(self, session: dict | None) -> str | None:
         """The folder holding the session's saved cache, if one was recorded."""
         path = (session or {}).get("cache_path")
         return os.path.join(self.data_dir, path) if path else None
 
     def export(self, owner: str, session_id: str) -> list[str]:
-        session = self._session(owner, session_id)
+        session = self.owned_session(owner, session_id)
         folder = tempfile.mkdtemp(prefix="marginalia-export-")
         stem = f"marginalia-{_slug(session['title'] or session['document_name'])}-{session_id[:8]}"
         md = os.path.join(folder, stem + ".md")
         js = os.path.join(folder, stem + ".json")
         with open(md, "w", encoding="utf-8") as f:
-            f.write(self.store.export_markdown(session_id, owner))
+            f.write(exports.markdown(self.store, session_id, owner))
         with open(js, "w", encoding="utf-8") as f:
-            json.dump(self.store.export_json(session_id, owner), f, ensure_ascii=False, indent=2)
+            json.dump(exports.as_json(self.store, session_id, owner), f, ensure_ascii=False, indent=2)
         return [md, js]
 
-    def library_html(self, owner: str, current: str | None = None) -> str:
+    def library(self, owner: str, current: str | None = None) -> LibraryView:
+        """The owner's library (nothing before the page's load event has said whose it is), `current` on screen."""
         rows = self.store.library(owner) if owner else []
-        return library_html(rows, self.jobs.sessions(), current, owner or None)
+        account = owner[len(ACCOUNT):] if owner and owner.startswith(ACCOUNT) else None
+        return LibraryView(rows, self.jobs.sessions(), current, account, bool(owner))
 
     def last_opened(self, owner: str) -> str | None:
         """The session the reader had open last (where the app opens)."""
@@ -162,9 +149,9 @@ class Sessions:
 
     def set_mark(self, owner: str, session_id: str, index: int, mark: bool | None) -> bool:
         """The reader's verdict on one margin, saved at once. False if there is no such (finished) margin."""
-        self._session(owner, session_id)
+        self.owned_session(owner, session_id)
         saved = self.store.set_mark(session_id, int(index), mark)
         if saved:
-            with self._lock:
-                self._marks.setdefault(session_id, {})[int(index)] = mark
+            with self.lock:
+                self.live_marks.setdefault(session_id, {})[int(index)] = mark
         return saved

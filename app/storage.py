@@ -19,7 +19,6 @@ beside the data: app/database_home.py.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import datetime
 import json
@@ -32,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import sqlite_utils
 from sqlite_utils.db import ForeignKey
+
+from engine import Settings
 
 log = logging.getLogger(__name__)
 
@@ -196,42 +197,13 @@ def _loads(value: str | None, default: Any) -> Any:
     return default if value is None else json.loads(value)
 
 
-def _spans_out(doc: dict, margin: dict) -> list[dict]:
-    """A margin's passages for the exports: offsets, pages and the text they cover. A margin that copied none
-    is quoted by its whole segment (`whole`: true), as the passage view highlights it."""
-    spans = margin["spans"] or []
-    whole = not spans
-    if whole:
-        spans = [(margin["char_start"], margin["char_end"])] if margin["char_end"] is not None else []
-    starts = doc.get("page_starts")
-    out = []
-    for start, end in spans:
-        item = {"start": start, "end": end, "text": doc["text"][start:end], "whole_segment": whole}
-        if starts:
-            item["page_start"] = bisect.bisect_right(starts, start)
-            item["page_end"] = bisect.bisect_right(starts, max(start, end - 1))
-        out.append(item)
-    return out
-
-
-QUOTE_CHARS = 600  # a whole segment quoted in the Markdown export is cut here
-
-
-def _quote(margin: dict) -> list[str]:
-    """Markdown blockquote of the margin's passage(s), with their pages."""
-    lines = []
-    for span in margin["spans"]:
-        text = " ".join(span["text"].split())
-        if span["whole_segment"] and len(text) > QUOTE_CHARS:
-            text = text[:QUOTE_CHARS].rsplit(" ", 1)[0] + " …"
-        if "page_start" in span:
-            pages = span["page_start"] if span["page_end"] == span["page_start"] else \
-                f"{span['page_start']}–{span['page_end']}"
-            text += f" (p. {pages})"
-        if lines:
-            lines.append(">")
-        lines.append("> " + text)
-    return lines
+def _settings(value: str | None) -> Settings:
+    """A session's stored settings (a JSON object of Settings' fields) as the engine's Settings."""
+    stored = _loads(value, {}) or {}
+    if stored and "margins" not in stored:
+        stored["margins"] = "abstractive"  # saved before margins had a style: they were free-form (resume alike)
+    fields = Settings.__dataclass_fields__
+    return Settings(**{k: v for k, v in stored.items() if k in fields})  # fields since removed are left out
 
 
 # One write lock per database file, shared by every Store on that file in this process.
@@ -265,6 +237,7 @@ class Store:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite_utils.Database]:
+        """A connection of its own (a read uses it as it is; a write goes through _write)."""
         conn = sqlite3.connect(self.path, timeout=30)
         try:
             db = sqlite_utils.Database(conn, execute_plugins=False)
@@ -273,11 +246,6 @@ class Store:
             yield db
         finally:
             conn.close()
-
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[sqlite_utils.Database]:
-        with self._connect() as db:
-            yield db
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:
@@ -322,7 +290,7 @@ class Store:
 
     def get_document(self, id: int) -> dict | None:
         """The document with its full text, page_starts decoded (a list or None)."""
-        with self._read() as db:
+        with self._connect() as db:
             rows = list(db.query("SELECT * FROM documents WHERE id = ?", [id]))
         if not rows:
             return None
@@ -333,13 +301,13 @@ class Store:
     # -- sessions
 
     def create_session(self, owner: str, document_id: int, question: str, model: str,
-                       settings: dict, segments_total: int) -> str:
+                       settings: Settings, segments_total: int) -> str:
         session_id = str(uuid.uuid4())
         now = _now()
         with self._write() as db:
             db["sessions"].insert({
                 "id": session_id, "owner": owner, "document_id": document_id,
-                "question": question, "model": model, "settings": json.dumps(settings or {}),
+                "question": question, "model": model, "settings": json.dumps(settings.to_dict()),
                 "status": "new", "segments_total": segments_total, "segments_read": 0,
                 "created": now, "updated": now,
             })
@@ -354,15 +322,15 @@ class Store:
 
     @staticmethod
     def _session_row(row: dict) -> dict:
-        row["settings"] = _loads(row["settings"], {})
+        row["settings"] = _settings(row["settings"])
         return row
 
     def get_session(self, id: str, owner: str | None = None) -> dict | None:
-        """The session (settings decoded, plus title/document_name/margins_count/answers_count).
+        """The session (its settings as Settings, plus title/document_name/margins_count/answers_count).
 
         With `owner`, a session belonging to someone else is None, exactly like a missing one.
         """
-        with self._read() as db:
+        with self._connect() as db:
             rows = list(db.query(self._SESSION_SELECT + " WHERE s.id = ?", [id]))
         if not rows or (owner is not None and rows[0]["owner"] != owner):
             return None
@@ -370,7 +338,7 @@ class Store:
 
     def list_sessions(self, owner: str) -> list[dict]:
         """The owner's sessions, newest first, with the same keys as get_session."""
-        with self._read() as db:
+        with self._connect() as db:
             rows = list(db.query(
                 self._SESSION_SELECT + " WHERE s.owner = ? ORDER BY s.created DESC, s.rowid DESC",
                 [owner]))
@@ -380,7 +348,7 @@ class Store:
         """The owner's sessions for the library, last opened first (a session never opened counts as opened
         when it was created), with its document's title/name/kind/pages, `kept` (finished margins with text
         that the reader or the classifier keeps) and `answers_count`."""
-        with self._read() as db:
+        with self._connect() as db:
             return list(db.query(
                 """SELECT s.id, s.document_id, s.question, s.model, s.status, s.segments_total, s.segments_read,
                           s.created, s.updated, s.tokens, s.position, COALESCE(s.opened, s.created) AS opened,
@@ -400,7 +368,7 @@ class Store:
         if "status" in fields and fields["status"] not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, not {fields['status']!r}")
         if "settings" in fields:
-            fields["settings"] = json.dumps(fields["settings"] or {})
+            fields["settings"] = json.dumps(fields["settings"].to_dict())
         fields["updated"] = _now()
         with self._write() as db:
             db["sessions"].update(id, fields)  # raises NotFoundError for an unknown id
@@ -470,7 +438,7 @@ class Store:
 
         effective = mark if the reader set one, else the classifier's verdict.
         """
-        with self._read() as db:
+        with self._connect() as db:
             rows = list(db.query(
                 "SELECT * FROM margins WHERE session_id = ? ORDER BY segment_index", [session_id]))
         for row in rows:
@@ -492,76 +460,10 @@ class Store:
 
     def answers(self, session_id: str) -> list[dict]:
         """Answers oldest first, margins_used decoded to a list of segment indexes."""
-        with self._read() as db:
+        with self._connect() as db:
             rows = list(db.query(
                 "SELECT * FROM answers WHERE session_id = ? ORDER BY created, id", [session_id]))
         for row in rows:
             row["margins_used"] = _loads(row["margins_used"], [])
             row["reasoning"] = row.get("reasoning") or ""
         return rows
-
-    # -- export
-
-    def export_json(self, session_id: str, owner: str | None = None) -> dict:
-        """Everything about one session, JSON-serialisable. KeyError if absent (or not owner's)."""
-        session = self.get_session(session_id, owner)
-        if session is None:
-            raise KeyError(session_id)
-        doc = self.get_document(session["document_id"])
-        return {
-            "format": "marginalia/1",
-            "document": {k: doc[k] for k in ("title", "name", "kind", "pages", "chars", "sha256")},
-            "question": session["question"],
-            "model": session["model"],
-            "settings": session["settings"],
-            "status": session["status"],
-            "segments_total": session["segments_total"],
-            "segments_read": session["segments_read"],
-            "created": session["created"],
-            "updated": session["updated"],
-            "margins": [
-                {**{k: m[k] for k in ("segment_index", "char_start", "char_end", "page_start",
-                                      "page_end", "text", "verdict", "score", "mark", "effective")},
-                 "spans": _spans_out(doc, m)}
-                for m in self.margins(session_id)
-            ],
-            "answers": [
-                {k: a[k] for k in ("question", "text", "reasoning", "margins_used", "seconds", "created")}
-                for a in self.answers(session_id)
-            ],
-        }
-
-    def export_markdown(self, session_id: str, owner: str | None = None) -> str:
-        """A readable report: answers first, then every margin note with its verdict and pages."""
-        data = self.export_json(session_id, owner)
-        doc = data["document"]
-        out = [f"# {doc['title'] or doc['name']}", ""]
-        if data["question"]:
-            out += [f"**Question:** {data['question']}", ""]
-        out += [f"*{doc['name']} · model {data['model']} · {data['segments_read']}/"
-                f"{data['segments_total']} segments read · {data['status']}*", ""]
-        if data["answers"]:
-            out += ["## Answers", ""]
-            for a in data["answers"]:
-                out += [f"### {a['question']}", "", a["text"], ""]
-                if a["reasoning"]:
-                    out += [f"*How it was found: {a['reasoning']}*", ""]
-                if a["margins_used"]:
-                    out += [f"*Margins used: segments {', '.join(str(i + 1) for i in a['margins_used'])}*", ""]
-        out += ["## Margin notes", ""]
-        for m in data["margins"]:
-            head = f"### Segment {m['segment_index'] + 1}"
-            if m["page_start"] is not None:
-                pages = m["page_start"] if m["page_end"] in (None, m["page_start"]) \
-                    else f"{m['page_start']}–{m['page_end']}"
-                head += f" · p. {pages}"
-            if m["effective"] is not None:
-                head += " · relevant" if m["effective"] else " · not relevant"
-                if m["mark"] is not None:
-                    head += " (reader)"
-                elif m["score"] is not None:
-                    head += f" ({m['score']:.2f})"
-            out += [head, "", m["text"], "", *_quote(m), ""]
-        out += ["## Settings", "", "```json", json.dumps(data["settings"], indent=2, sort_keys=True),
-                "```", ""]
-        return "\n".join(out)

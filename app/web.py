@@ -1,5 +1,5 @@
 """Marginalia's screen, in Gradio 6, panel by panel: each panel lays out its components and wires its events to
-app/service.py, where the logic lives.
+app/service.py, where the logic lives; what the service returns (app/records.py) is drawn by app/render.py.
 
 Events that run the model (read, resume, answer, switching the model, and the API's read/answer) share one
 concurrency group, "engine", limited to `worker.job_slots()`: 1 on a local model, which runs one forward pass
@@ -17,16 +17,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import gradio as gr
 
 from engine.classify import COMBINED_RELEVANCE
 
 from . import render, worker
-from .library import ACCOUNT, library_html
 from .documents import SAMPLE, SAMPLE_QUESTION
-from .passage import empty_passage, page_html
+from .records import (Answered, AnswersChanged, JobEnded, JobStarted, Message, Panel, PanelChanged, SessionView,
+                      Update)
 from .service import Service, UserError
+from .sessions import ACCOUNT
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,7 @@ class DocumentPanel:
         def on_upload(owner, path, *settings):
             try:
                 doc_id, notices = service.add_upload(path)
-                return (doc_id, service.document_html(doc_id, service.settings(*settings)),
+                return (doc_id, render.document_card_html(service.document(doc_id, service.settings(*settings))),
                         render.notice_html(" ".join(notices), "info"))
             except UserError as e:
                 return None, render.no_document(), render.notice_html(str(e))
@@ -176,8 +178,9 @@ class DocumentPanel:
                         render.notice_html(str(e)), gr.skip())
             ui.viewing.show(request, session_id)
             return ({"kind": "read", "session_id": session_id}, session_id, doc_id,
-                    service.document_html(doc_id, settings), SAMPLE_QUESTION,
-                    service.waiting_panel(owner, session_id), render.answers_html([]), render.empty_segment(), "",
+                    render.document_card_html(service.document(doc_id, settings)), SAMPLE_QUESTION,
+                    render.panel_html(service.waiting(owner, session_id)), render.answers_html([]),
+                    render.empty_segment(), "",
                     gr.update(visible=False))
 
         ui.then_read(self.sample.click(
@@ -214,7 +217,7 @@ class ReadControls:
                 return (None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), render.notice_html(str(e)), gr.skip())
             viewing.show(request, session_id)
             job = {"kind": "read", "session_id": session_id}
-            return (job, session_id, service.waiting_panel(owner, session_id), render.answers_html([]),
+            return (job, session_id, render.panel_html(service.waiting(owner, session_id)), render.answers_html([]),
                     render.empty_segment(), "", gr.update(visible=False))
 
         def on_resume(owner, session_id, request: gr.Request):
@@ -223,8 +226,8 @@ class ReadControls:
             except UserError as e:
                 return None, gr.skip(), render.notice_html(str(e)), gr.skip()
             viewing.show(request, session_id)
-            return ({"kind": "resume", "session_id": session_id}, service.waiting_panel(owner, session_id), "",
-                    gr.update(visible=False))
+            return ({"kind": "resume", "session_id": session_id},
+                    render.panel_html(service.waiting(owner, session_id)), "", gr.update(visible=False))
 
         ui.then_read(self.read.click(
             on_read, inputs=[ui.owner, ui.doc_state, ui.document.question, *ui.settings.inputs],
@@ -285,7 +288,7 @@ class SettingsPanel:
 
         def on_settings(doc_id, *settings):
             try:
-                return service.document_html(doc_id, service.settings(*settings)), ""
+                return render.document_card_html(service.document(doc_id, service.settings(*settings))), ""
             except UserError as e:
                 return gr.skip(), render.notice_html(str(e))
 
@@ -306,7 +309,7 @@ class LibraryPanel:
     @classmethod
     def layout(cls) -> "LibraryPanel":
         with gr.Accordion("Library", open=True, elem_id="sessions-box"):
-            return cls(gr.HTML(library_html([]), js_on_load=static_text("library.js"), elem_id="library"),
+            return cls(gr.HTML(render.library_html(), js_on_load=static_text("library.js"), elem_id="library"),
                        gr.State(None))
 
     def wire(self, ui: "Screen") -> None:
@@ -340,7 +343,7 @@ class LibraryPanel:
                 return (None, *ui.notice_only(str(e)))
             viewing.show(request, sid)
             if job:  # the panel waits for the engine; Resume is hidden while it runs
-                values[ui.view_outputs.index(ui.margins.panel)] = service.waiting_panel(owner, sid)
+                values[ui.view_outputs.index(ui.margins.panel)] = render.panel_html(service.waiting(owner, sid))
                 values[ui.view_outputs.index(ui.controls.resume)] = gr.update(visible=False)
             return (job, *values)
 
@@ -392,9 +395,11 @@ class PassagePanel:
     def layout(cls) -> "PassagePanel":
         with gr.Tabs(elem_id="passage-tabs"):
             with gr.Tab("Passage", id="passage-text-tab", elem_id="passage-text-tab"):
-                text = gr.HTML(empty_passage(), js_on_load=static_text("passage.js"), elem_id="passage-text")
+                text = gr.HTML(render.empty_passage(), js_on_load=static_text("passage.js"),
+                               elem_id="passage-text")
             with gr.Tab("Page", id="passage-page-tab", elem_id="passage-page-tab"):
-                page = gr.HTML(page_html(None, None, None), js_on_load=static_text("page.js"), elem_id="passage-page")
+                page = gr.HTML(render.page_html(None, None, None), js_on_load=static_text("page.js"),
+                               elem_id="passage-page")
         return cls(text, page)
 
     def wire(self, ui: "Screen") -> None:
@@ -413,7 +418,7 @@ class PassagePanel:
                 shown = service.passage(owner, session_id, index)
             except UserError as e:
                 return gr.skip(), gr.skip(), render.notice_html(str(e))
-            return shown["text"], shown["page"], ""
+            return render.passage_view_html(shown.text), render.page_view_html(shown.page), ""
 
         for source in (ui.margins.panel, ui.answer.answers):
             source.select(on_passage, inputs=[ui.owner, ui.session_state],
@@ -455,7 +460,8 @@ class AnswerPanel:
                 return
             sid = job["session_id"]
             try:
-                for u in ui.to_tab(service.answer_stream(owner, sid, job["question"]), owner, sid, request):
+                for u in ui.to_tab(on_screen(service.answer_stream(owner, sid, job["question"])), owner, sid,
+                                   request):
                     yield (u.get("answers", gr.skip()), u.get("panel", gr.skip()),
                            ui.library_now(owner, sid, request) if u.get("sessions") else gr.skip(),
                            gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
@@ -553,14 +559,15 @@ class Screen:
     def blank_view(self) -> tuple:
         return (None, None, render.no_document(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
                 gr.skip(), render.empty_panel(), render.answers_html([]), render.empty_segment(),
-                gr.update(visible=False), "", empty_passage(), page_html(None, None, None))
+                gr.update(visible=False), "", render.empty_passage(), render.page_html(None, None, None))
 
-    def view_values(self, v: dict) -> tuple:
-        s = v["settings"]
-        return (v["session_id"], v["document_id"], v["document"], v["question"], s.segment_tokens,
-                s.margin_tokens, s.answer_tokens, s.classifier, s.margins, v["panel"], v["answers"], v["segment"],
-                gr.update(visible=v["resume"]), render.notice_html(v["notice"], "info") if v["notice"] else "",
-                v["passage"], v["page"])
+    def view_values(self, v: SessionView) -> tuple:
+        s = v.settings
+        return (v.session_id, v.document_id, render.document_card_html(v.document), v.question, s.segment_tokens,
+                s.margin_tokens, s.answer_tokens, s.classifier, s.margins, render.panel_html(v.panel),
+                render.answers_html(v.answers), render.segment_view_html(v.segment), gr.update(visible=v.resume),
+                render.notice_html(v.notice, "info") if v.notice else "", render.passage_view_html(v.passage.text),
+                render.page_view_html(v.passage.page))
 
     def notice_only(self, message: str) -> tuple:
         """view_outputs left as they are, but for the notice."""
@@ -568,11 +575,11 @@ class Screen:
                      for c in self.view_outputs)
 
     def refresh_library(self, owner, session_id):
-        return self.service.library_html(owner, session_id)
+        return render.library_html(self.service.library(owner, session_id))
 
     def library_now(self, owner, session_id: str, request: gr.Request) -> str:
         """The library as a job changes it (a reading ended), marking the session this tab shows."""
-        return self.service.library_html(owner, self.viewing.showing(request, session_id))
+        return render.library_html(self.service.library(owner, self.viewing.showing(request, session_id)))
 
     # ---------------------------------------------------------- jobs
 
@@ -585,7 +592,8 @@ class Screen:
             v = self.service.view(owner, showing)
         except UserError:
             return {}
-        return {k: v[k] for k in ("panel", "segment", "answers", "resume")}
+        return {"panel": render.panel_html(v.panel), "segment": render.segment_view_html(v.segment),
+                "answers": render.answers_html(v.answers), "resume": v.resume}
 
     def to_tab(self, updates, owner: str, session_id: str, request: gr.Request):
         """A job's updates for the tab that started it: all of them while the tab shows the job's session,
@@ -617,8 +625,8 @@ class Screen:
             return
         sid = job["session_id"]
         try:
-            for u in self.to_tab(self.service.read_stream(owner, sid, resume=job["kind"] == "resume"), owner, sid,
-                                 request):
+            for u in self.to_tab(on_screen(self.service.read_stream(owner, sid, resume=job["kind"] == "resume")),
+                                 owner, sid, request):
                 yield (u.get("panel", gr.skip()), u.get("segment", gr.skip()),
                        self.library_now(owner, sid, request) if u.get("sessions") else gr.skip(),
                        gr.update(visible=u["resume"]) if "resume" in u else gr.skip(), u.get("notice", gr.skip()))
@@ -693,20 +701,6 @@ def add_api(service: Service) -> None:
         a_read = gr.Button("read")
         a_ask = gr.Button("answer")
 
-    def session_summary(owner: str, session_id: str) -> dict:
-        s = service.store.get_session(session_id, owner)
-        return {
-            "session_id": session_id, "owner": owner, "status": s["status"], "question": s["question"],
-            "segments_total": s["segments_total"], "segments_read": s["segments_read"],
-            # Through a model server: prompt tokens sent for the reading, and the share found in its prefix cache.
-            "server_prompt_tokens": s.get("server_prompt_tokens"),
-            "server_cached_tokens": s.get("server_cached_tokens"),
-            "reuse": s["server_cached_tokens"] / s["server_prompt_tokens"] if s.get("server_prompt_tokens") else None,
-            "margins": [{"segment": m["segment_index"], "pages": [m["page_start"], m["page_end"]]
-                         if m["page_start"] is not None else None, "text": m["text"], "relevant": m["verdict"],
-                         "score": m["score"], "mark": m["mark"]} for m in service.store.margins(session_id)],
-        }
-
     def api_read(path, question, segment_tokens, margin_tokens, answer_tokens, classifier, owner):
         """Read a document with a question: writes a margin note per segment. Streams progress; the last
         result has every margin. Returns {session_id, owner, status, margins: [...]}."""
@@ -715,13 +709,15 @@ def add_api(service: Service) -> None:
             doc_id, _ = service.add_upload(path)
             settings = service.settings(segment_tokens, margin_tokens, answer_tokens, classifier)
             session_id = service.start_read(owner, doc_id, question, settings)
-            seen = 0
-            for update in service.read_stream(owner, session_id):
-                if "segment" in update or "sessions" in update:
-                    summary = session_summary(owner, session_id)
-                    if summary["segments_read"] != seen or "sessions" in update:
-                        seen = summary["segments_read"]
-                        yield summary
+            panel, seen = Panel(session_id), 0
+            for event in service.read_stream(owner, session_id):
+                if isinstance(event, PanelChanged):
+                    panel = event.panel
+                    if event.segment is not None and panel.done_count != seen:
+                        seen = panel.done_count
+                        yield read_summary(owner, question.strip(), panel)
+                elif isinstance(event, JobEnded):
+                    yield read_summary(owner, question.strip(), event.panel or panel, event.session)
         except UserError as e:
             raise gr.Error(str(e)) from e
 
@@ -732,15 +728,20 @@ def add_api(service: Service) -> None:
         try:
             owner = api_owner(owner)
             job = service.start_answer(owner, session_id, question)
-            for update in service.answer_stream(owner, session_id, job["question"]):
-                if "notice" in update and update["notice"] and "answers" not in update:
-                    raise UserError(_plain(update["notice"]))
-            answers = service.store.answers(session_id)
-            if not answers or answers[-1]["question"] != job["question"]:
+            answer = None
+            events = service.answer_stream(owner, session_id, job["question"])
+            try:
+                for event in events:
+                    if isinstance(event, Message) and event.text and event.kind == "error":
+                        raise UserError(event.text)
+                    if isinstance(event, Answered):
+                        answer = event.answer
+            finally:
+                events.close()
+            if answer is None:
                 raise UserError("No answer was written.")
-            a = answers[-1]
-            return {"session_id": session_id, "question": a["question"], "answer": a["text"],
-                    "reasoning": a["reasoning"], "margins_used": a["margins_used"], "seconds": a["seconds"]}
+            return {"session_id": session_id, "question": answer.question, "answer": answer.text,
+                    "reasoning": answer.reasoning, "margins_used": answer.used, "seconds": answer.seconds}
         except UserError as e:
             raise gr.Error(str(e)) from e
 
@@ -759,7 +760,54 @@ def api_owner(owner: str | None) -> str:
     return owner
 
 
-def _plain(html_text: str) -> str:
-    import html as _html
-    import re
-    return _html.unescape(re.sub(r"<[^>]+>", "", html_text or "")).strip()
+def read_summary(owner: str, question: str, panel: Panel, session: dict | None = None) -> dict:
+    """What /read returns of a reading: its margins so far (the panel's finished cards) and, once it has ended,
+    the stored session's status and counts."""
+    margins = [{"segment": c.index, "pages": list(c.pages) if c.pages else None, "text": c.text,
+                "relevant": c.verdict, "score": c.score, "mark": c.mark}
+               for _, c in sorted(panel.cards.items()) if c.done]
+    summary = {"session_id": panel.session_id, "owner": owner, "status": "reading", "question": question,
+               "segments_total": panel.total, "segments_read": len(margins),
+               "server_prompt_tokens": None, "server_cached_tokens": None, "reuse": None, "margins": margins}
+    if session is not None:
+        sent, cached = session.get("server_prompt_tokens"), session.get("server_cached_tokens")
+        summary.update(status=session["status"], question=session["question"],
+                       segments_total=session["segments_total"], segments_read=session["segments_read"],
+                       # Through a model server: prompt tokens sent for the reading, and the share found in its
+                       # prefix cache.
+                       server_prompt_tokens=sent, server_cached_tokens=cached, reuse=cached / sent if sent else None)
+    return summary
+
+
+def on_screen(events: Iterator[Update]) -> Iterator[dict]:
+    """A job's events as what changes on screen: HTML for the panel, the segment, the answers and the notice;
+    `resume` (Resume's visibility) and `sessions` (the library changed). Closing it closes the job's stream."""
+    try:
+        for event in events:
+            update = screen_update(event)
+            if update:
+                yield update
+    finally:
+        events.close()
+
+
+def screen_update(event: Update) -> dict:
+    if isinstance(event, JobStarted):
+        return {"panel": render.panel_html(event.panel), "resume": False}
+    if isinstance(event, PanelChanged):
+        shown = {"panel": render.panel_html(event.panel)}
+        if event.segment is not None:
+            shown["segment"] = render.segment_view_html(event.segment)
+        return shown
+    if isinstance(event, AnswersChanged):
+        return {"answers": render.answers_html(event.answers)}
+    if isinstance(event, Message):
+        return {"notice": render.notice_html(event.text, event.kind)}
+    if isinstance(event, JobEnded):
+        shown = {"resume": event.resume, "sessions": True}
+        if event.panel is not None:
+            shown["panel"] = render.panel_html(event.panel)
+        if event.answers is not None:
+            shown["answers"] = render.answers_html(event.answers)
+        return shown
+    return {}  # Answered: the answers that follow show it

@@ -1,6 +1,7 @@
 """The engine worker: the only code that runs the model.
 
-`engine_job(job, stop)` takes plain data (a dict of str/int/list/dict) and yields the engine's events. On a
+`engine_job(job, stop)` takes plain data (a dict of str/int/list/dict, the engine's Settings and the document's
+segments) and yields the engine's events. On a
 Hugging Face ZeroGPU Space it is wrapped by `spaces.GPU`, which runs it in another process with a GPU
 attached: so it touches neither the database nor the Gradio session, its arguments and events must
 pickle, and a threading.Event cannot be passed in (the caller stops consuming instead; see `run`).
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from typing import Iterator
 
 from engine.events import Event, SegmentRead, Stats
-from engine.wim import Engine, Reading, Settings
+from engine import Engine, Reading, Settings
 
 try:  # the `spaces` package is a no-op off Hugging Face Spaces
     import spaces
@@ -71,18 +72,11 @@ def forget(session_id: str) -> None:
         _readings.pop(session_id, None)
 
 
-def signature(text: str, settings: dict, page_starts, model: str) -> str:
+def signature(text: str, settings: Settings, page_starts, model: str) -> str:
     """What a Reading depends on: the same signature means the same segments and the same cache."""
-    blob = json.dumps([hashlib.sha256(text.encode()).hexdigest(), settings, page_starts, model], sort_keys=True)
+    blob = json.dumps([hashlib.sha256(text.encode()).hexdigest(), settings.to_dict(), page_starts, model],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def settings_from(d: dict) -> Settings:
-    fields = Settings.__dataclass_fields__
-    d = dict(d or {})
-    if d and "margins" not in d:
-        d["margins"] = "abstractive"  # saved before margins had a style: they were free-form (resume alike)
-    return Settings(**{k: v for k, v in d.items() if k in fields})
 
 
 def _reading(job: dict) -> Reading:
@@ -97,7 +91,8 @@ def _reading(job: dict) -> Reading:
         while len(_readings) >= max(MAX_READINGS, job_slots()):
             old, _ = _readings.popitem(last=False)
             log.info("dropping the cached reading of session %s", old)
-    reading = _engine.open(job["text"], settings_from(job["settings"]), job["page_starts"])
+    # The app segmented the document already (app/layouts.py): the job carries its segments.
+    reading = _engine.open(job["text"], job["settings"], job["page_starts"], segmented=job["segmented"])
     with _readings_lock:
         _readings[sid] = (sig, reading)
     return reading

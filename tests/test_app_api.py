@@ -5,6 +5,8 @@ import pytest
 
 from conftest import shared
 
+pytestmark = pytest.mark.server  # left out of `make quick`
+
 SERVER_ARGS = ["--segment-tokens", "128", "--margin-tokens", "16", "--answer-tokens", "24",
                "--classifier", "embedding", "--no-warm-up"]
 

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import ROOT, reopen_page, shared, wait_ready
 
+pytestmark = [pytest.mark.browser, pytest.mark.server]  # left out of `make quick`
+
 # Free-form margins (the embedding classifier judges them): each takes seconds, so a reading can be watched
 # segment by segment and killed half-way. Extractive notes (the default) finish a short text before the
 # crash test could kill it; they are driven in a browser by tests/test_app_passage.py.

@@ -11,6 +11,8 @@ import pytest
 from conftest import wait_ready
 from test_app_browser import start_reading, wait_status
 
+pytestmark = [pytest.mark.browser, pytest.mark.server]  # left out of `make quick`
+
 SERVER_ARGS = ["--segment-tokens", "64", "--margin-tokens", "8", "--answer-tokens", "16", "--classifier", "none",
                "--test-login", "alice", "--no-warm-up"]
 TEXT = "The meeting is on Tuesday in the library. Bring the signed forms and a pen. " * 4

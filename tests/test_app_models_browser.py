@@ -16,7 +16,8 @@ from engine import model as models
 from test_app_browser import panel, start_reading, wait_status
 from test_models import QUESTION, STORY
 
-pytestmark = pytest.mark.skipif(not models.qwen_installed(), reason="Qwen2.5 1.5B parts not installed")
+pytestmark = [pytest.mark.browser, pytest.mark.server, pytest.mark.qwen,
+              pytest.mark.skipif(not models.qwen_installed(), reason="Qwen2.5 1.5B parts not installed")]
 SLOW = 900_000  # ms: a 1.5B model on a shared 2-core CPU
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import shared
 
+pytestmark = [pytest.mark.browser, pytest.mark.server]  # left out of `make quick`
+
 SERVER_ARGS: list[str] = []  # the app's defaults (the model is the embedded one in tests: see conftest)
 # "Try a sample": the first margin card is on screen within this long of the click (the README states it).
 SAMPLE_FIRST_MARGIN_S = 30

@@ -17,6 +17,8 @@ import pytest
 from conftest import ROOT, shared, wait_ready
 from test_app_browser import alice_chapter_one, db, panel, start_reading, wait_cards, wait_status
 
+pytestmark = [pytest.mark.browser, pytest.mark.server]  # left out of `make quick`
+
 SERVER_ARGS = ["--segment-tokens", "400", "--margin-tokens", "48", "--answer-tokens", "16", "--classifier", "none"]
 SLOW = 240_000
 SCREENSHOTS = bool(os.environ.get("MARGINALIA_SCREENSHOT"))  # the README's pictures

@@ -18,6 +18,8 @@ from conftest import ROOT, AppServer, reopen_page, shared
 sys.path.insert(0, str(ROOT))
 from bench import load  # noqa: E402
 
+pytestmark = [pytest.mark.browser, pytest.mark.server]  # left out of `make quick`
+
 # Read through the live app: a subset of the battery, one or more of each kind of threat.
 LIVE_CASES = ["deflate-bomb.epub", "laughs-opf.epub", "xxe-content.epub", "path-traversal.epub", "drm.epub",
               "random.pdf", "png-named.pdf", "many-pages.pdf", "one-bad-byte.txt", "nul-heavy.txt",

@@ -9,6 +9,7 @@ import zipfile
 import pytest
 
 from app import render
+from app.records import AnswersChanged, JobEnded, PanelChanged, SessionView
 from app.service import Defaults, Service, UserError
 from app.storage import Store
 from engine import DocumentTooLong, Settings
@@ -30,7 +31,7 @@ def saved_session(service, owner="alice"):
     store = service.store
     doc = store.add_document("pride.txt", "txt", "Pride and Prejudice", TEXT, hashlib.sha256(TEXT.encode()).hexdigest())
     sid = store.create_session(owner, doc, "Who is in want of a wife?", service.model,
-                               service.settings().to_dict(), 4)
+                               service.settings(), 4)
     store.save_margin(sid, 0, "A single man <b>with a fortune</b>.", True, 0.9, 0, 120)
     store.set_mark(sid, 0, False)
     store.save_answer(sid, "Who is in want of a wife?", "A single man.", [0], 1.5)
@@ -102,8 +103,9 @@ def test_read_refuses_what_it_cannot_read(service, engine, tmp_path):
     with pytest.raises(UserError) as shown:
         service.start_read("alice", long_doc, "Who?", tight)
     assert str(shown.value) == str(expected.value)
-    assert "Long" in service.document_html(long_doc, tight)
-    assert render.esc(str(expected.value)) in service.document_html(long_doc, tight)
+    card = service.document(long_doc, tight)
+    assert card.title == "Long" and card.problem == str(expected.value) and card.tokens is None
+    assert render.esc(str(expected.value)) in render.document_card_html(card)
     with pytest.raises(UserError, match="settings"):
         service.settings(segment_tokens=8)
     assert snapshot(service.store, sid) == before
@@ -112,7 +114,7 @@ def test_read_refuses_what_it_cannot_read(service, engine, tmp_path):
 
 def test_sessions_belong_to_their_browser(service):
     sid = saved_session(service, owner="alice")
-    assert service.store.library("bob") == [] and "empty" in service.library_html("bob")
+    assert service.store.library("bob") == [] and "empty" in render.library_html(service.library("bob"))
     for call in (lambda: service.view("bob", sid), lambda: service.set_mark("bob", sid, 0, True),
                  lambda: service.export("bob", sid), lambda: service.stop("bob", sid),
                  lambda: service.delete("bob", sid), lambda: service.start_answer("bob", sid, "Who?"),
@@ -121,16 +123,17 @@ def test_sessions_belong_to_their_browser(service):
             call()
     assert service.store.margins(sid)[0]["mark"] is False  # bob's attempt changed nothing
     view = service.view("alice", sid)
-    assert view["session_id"] == sid and "A single man" in view["answers"]
+    assert view.session_id == sid and view.answers[0].text == "A single man."
 
 
 def test_view_export_and_marks(service):
     sid = saved_session(service)
     view = service.view("alice", sid)
-    assert 'data-mark="0"' in view["panel"] and "&lt;b&gt;with a fortune&lt;/b&gt;" in view["panel"]
-    assert "<b>with" not in view["panel"]
-    assert view["resume"] is True  # 1 of 4 segments has a margin and nothing runs: resumable
-    assert 'data-status="interrupted"' in view["panel"]
+    assert isinstance(view, SessionView) and view.panel.cards[0].mark is False
+    panel = render.panel_html(view.panel)
+    assert 'data-mark="0"' in panel and "&lt;b&gt;with a fortune&lt;/b&gt;" in panel and "<b>with" not in panel
+    assert view.resume is True  # 1 of 4 segments has a margin and nothing runs: resumable
+    assert view.panel.status == "interrupted" and 'data-status="interrupted"' in panel
     assert service.set_mark("alice", sid, 0, True) and service.store.margins(sid)[0]["mark"] is True
     assert not service.set_mark("alice", sid, 3, True)  # no such margin (yet)
     md, js = service.export("alice", sid)
@@ -176,7 +179,8 @@ def test_a_text_past_the_window_shows_which_window_is_read(engine, tmp_path):
     doc = service.store.add_document("pride.txt", "txt", "Pride and Prejudice", text,
                                      hashlib.sha256(text.encode()).hexdigest())
     sid = service.start_read("alice", doc, "Who is in want of a wife?", service.settings())
-    panels = [u["panel"] for u in service.read_stream("alice", sid) if u.get("panel")]
+    # Drawn as they come, as the screen draws them: the panel is one record, changed as the reading goes.
+    panels = [render.panel_html(e.panel) for e in service.read_stream("alice", sid) if getattr(e, "panel", None)]
     assert any("New context window from segment" in p for p in panels)
     assert "window 2 · earlier text held only in margins" in "".join(panels)
     assert "window 1 ·" not in "".join(panels)  # the first window is not labelled: most texts have one only
@@ -216,8 +220,9 @@ def test_follow_up_after_a_restart_loads_the_saved_cache(engine, tmp_path, apart
     second = Service(engine, Store(db), defaults, **data)
     assert worker.cached_sessions() == []
     second.start_answer("alice", sid, question)
-    updates = list(second.answer_stream("alice", sid, question))
-    assert not any("Loading the document" in (u.get("answers") or "") for u in updates)
+    notes = [a.note for e in second.answer_stream("alice", sid, question) if isinstance(e, AnswersChanged)
+             for a in e.answers]
+    assert not any("Loading the document" in note for note in notes)
     reading = worker._readings[sid][1]
     assert reading.document_tokens_prefilled == 0            # the document was not read again
     assert reading.read_segments == list(range(len(reading.segments)))
@@ -235,9 +240,9 @@ def test_upload_notices_and_long_read_warning(service, tmp_path):
     doc_id, notices = service.add_upload(str(path))
     assert notices and "1 byte" in notices[0]
     settings = service.settings()
-    assert "mg-doc-warning" not in service.document_html(doc_id, settings)
+    assert not service.document(doc_id, settings).warning
     service.rates = {"prefill": 0.1, "decode": 0.01}  # ~250 tokens now take hours
-    html = service.document_html(doc_id, settings)
+    html = render.document_card_html(service.document(doc_id, settings))
     assert "mg-doc-warning" in html and "will take about" in html
     tokens_estimate = service.estimate_seconds(250, 4, settings)
     assert tokens_estimate > LONG_READ_SECONDS
@@ -256,7 +261,7 @@ def test_a_closed_tabs_queued_jobs_are_released(service):
     assert service.release_tab("tab-3") == []
     assert service.release_tab("tab-1") == [first]
     assert service.queue_position(second) == 0  # nothing left ahead of it
-    assert service._status(service.store.get_session(first)) != "queued"
+    assert service.status_of(service.store.get_session(first)) != "queued"
     service.start_resume("alice", first, tab="tab-3")  # resumable again
     assert service.queue_position(first) == 1
     assert service.release_tab("tab-2") == [second] and service.release_tab("tab-3") == [first]
@@ -271,15 +276,59 @@ def test_each_queued_job_belongs_to_the_tab_that_queued_it(service):
     service.start_answer("alice", first, "Who is in want of a wife?", tab="tab-2")
     assert service.queue_position(first) == 1
     assert service.release_tab("tab-1") == [first]
-    assert service._status(service.store.get_session(first)) == "queued"  # tab-2's question still waits
+    assert service.status_of(service.store.get_session(first)) == "queued"  # tab-2's question still waits
     assert service.queue_position(first) == 1
     assert service.release_tab("tab-2") == [first]
-    assert service._status(service.store.get_session(first)) != "queued"
+    assert service.status_of(service.store.get_session(first)) != "queued"
     assert service.release_tab("tab-0") == [second] and service.jobs.waiting == []
 
 
+@pytest.mark.slow
 def test_warm_up_measures_reading_and_writing(service):
     """The picker shows the loaded model's speed as measured by its warm-up, copied notes (no decode step) or not."""
     rates = service.warm_up()
     assert service.measured[service.engine.lm.spec] == rates
     assert rates["prefill"] > 0 and rates["decode"] > 0
+
+
+def test_a_reading_segments_its_document_once(service, monkeypatch):
+    """Upload, the document card, Read, the reading itself, a question and the session reopened: the document is
+    segmented once (app/layouts.py), and the engine job takes those segments instead of segmenting again."""
+    import sys
+
+    import engine.segment
+
+    real, calls = engine.segment.segment, []
+
+    def segment(*args, **kwargs):
+        calls.append(args[2])  # the segment size
+        return real(*args, **kwargs)
+
+    # Counted wherever it was imported (app/layouts.py, the engine's Reading), the function itself untouched.
+    for module in [m for name, m in sys.modules.items() if name.split(".")[0] in ("app", "engine")]:
+        if getattr(module, "segment", None) is real:
+            monkeypatch.setattr(module, "segment", segment)
+    text = TEXT.replace("wife", "husband")  # a document no other test has segmented
+    doc = service.store.add_document("pride.txt", "txt", "Pride", text, hashlib.sha256(text.encode()).hexdigest())
+    settings = service.settings()
+    assert service.document(doc, settings).segments >= 2
+    sid = service.start_read("alice", doc, "Who is in want of a husband?", settings)
+    events = list(service.read_stream("alice", sid))
+    assert isinstance(events[-1], JobEnded) and events[-1].session["status"] == "read"
+    service.start_answer("alice", sid, "Who?")
+    list(service.answer_stream("alice", sid, "Who?"))
+    service.view("alice", sid)
+    assert calls == [settings.segment_tokens]
+
+
+def test_the_streams_yield_records_not_html(service):
+    """What a reading streams is data for any screen (or the API): no HTML in it."""
+    doc = service.store.add_document("pride.txt", "txt", "Pride", TEXT, hashlib.sha256(TEXT.encode()).hexdigest())
+    sid = service.start_read("alice", doc, "Who is in want of a wife?", service.settings())
+    events = list(service.read_stream("alice", sid))
+    assert [type(e).__name__ for e in events[:1] + events[-1:]] == ["JobStarted", "JobEnded"]
+    assert any(isinstance(e, PanelChanged) and e.segment for e in events)
+    assert "<div" not in repr(events) and "<span" not in repr(events)
+    panel = events[-1].panel  # as the reading left it, drawn with the library's change in one repaint
+    assert panel.status == "done" and all(c.done for c in panel.cards.values())
+    assert [c.text for _, c in sorted(panel.cards.items())] == [m["text"] for m in service.store.margins(sid)]

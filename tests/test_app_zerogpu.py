@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import zerogpu
+from app import render
+from app.records import AnswersChanged, Message
 from app.service import Defaults, Service, UserError
 from app.storage import Store
 from conftest import SHARED
@@ -59,31 +61,38 @@ def upload(service: Service, tmp_path: Path, book: str, start: int, chars: int =
     return doc_id
 
 
-def read_to_the_end(service: Service, owner: str, sid: str, resume: bool = False) -> list[dict]:
-    """The reading's updates; at the one that says done, the saved cache is on disk and recorded already."""
-    updates = []
-    for u in service.read_stream(owner, sid, resume=resume):
-        updates.append(u)
-        if 'data-status="done"' in (u.get("panel") or ""):
-            session = service.store.get_session(sid)
-            assert session["status"] == "read" and session["cache_path"], "done before the cache was saved"
-            assert (Path(service.data_dir) / session["cache_path"] / "reading.json").exists()
-    assert 'data-status="done"' in updates[-1]["panel"]
-    return updates
+def read_to_the_end(service: Service, owner: str, sid: str, resume: bool = False) -> list[str]:
+    """The panel's statuses as the reading goes; at the one that says done, the saved cache is on disk and recorded
+    already."""
+    statuses = []
+    for e in service.read_stream(owner, sid, resume=resume):
+        if getattr(e, "panel", None):  # PanelChanged, and the panel a job starts and ends with
+            statuses.append(e.panel.status)
+            if e.panel.status == "done":
+                session = service.store.get_session(sid)
+                assert session["status"] == "read" and session["cache_path"], "done before the cache was saved"
+                assert (Path(service.data_dir) / session["cache_path"] / "reading.json").exists()
+    assert statuses[-1] == "done"
+    return statuses
 
 
 def ask(service: Service, owner: str, sid: str, question: str) -> str:
     """Answer `question`; the document must not be read again (a warm worker, or the saved cache)."""
     service.start_answer(owner, sid, question)
-    updates = list(service.answer_stream(owner, sid, question))
-    notes = "".join(u.get("answers") or "" for u in updates)
+    notes, messages = "", []
+    for e in service.answer_stream(owner, sid, question):
+        if isinstance(e, AnswersChanged):
+            notes += "".join(a.note for a in e.answers)
+        elif isinstance(e, Message) and e.text:
+            messages.append(e.text)
     assert RE_READ not in notes, "the answer read the document again: the worker's reading was gone"
-    assert not any(u.get("notice") for u in updates), [u["notice"] for u in updates if u.get("notice")]
+    assert not messages, messages
     answer = service.store.answers(sid)[-1]
     assert answer["question"] == question and answer["text"].strip()
     return answer["text"]
 
 
+@pytest.mark.slow
 def test_the_service_under_zerogpus_process_model(engine, tmp_path, zero_gpu, capsys):
     from app import worker
     db = tmp_path / "marginalia.db"
@@ -98,9 +107,9 @@ def test_the_service_under_zerogpus_process_model(engine, tmp_path, zero_gpu, ca
     total = service.store.get_session(sid)["segments_total"]
     assert total >= 5
     live, stopped = [], False
-    for u in service.read_stream(owner, sid):
-        if u.get("panel"):
-            live.append(u["panel"])
+    for e in service.read_stream(owner, sid):
+        if getattr(e, "panel", None):
+            live.append(render.panel_html(e.panel))  # drawn as it comes, as the screen draws it
         if not stopped and len(service.store.margins(sid)) >= 2:
             stopped = service.stop(owner, sid)
     session = service.store.get_session(sid)

@@ -12,7 +12,8 @@ import pypdfium2 as pdfium
 import pytest
 
 from engine.documents import _clean_pdf_text
-from app.passage import clean_with_map, passage_html, reflow
+from app.passage import clean_with_map
+from app.render import library_html, page_view_html, passage_html, passage_view_html, reflow
 from app.service import Defaults, Service, UserError
 from app.storage import Store
 from conftest import shared
@@ -72,8 +73,8 @@ def test_one_passage_of_a_117_page_pdf_renders_one_page(service):
     doc = service.store.get_document(doc_id)
     assert doc["pages"] == 117
     sid = service.store.create_session("alice", doc_id, "Was ist eine Überlagerung?", service.model,
-                                       service.settings().to_dict(), 0)
-    segments = service._segments_of(service.store.get_session(sid))
+                                       service.settings(), 0)
+    segments = service.segments_of(service.store.get_session(sid))
     # A segment in the middle of the book, and a sentence in it as the margin's copied passage.
     seg = next(s for s in segments if s.pages and s.pages[0] >= 60)
     body = doc["text"][seg.char_start:seg.char_end]
@@ -83,9 +84,10 @@ def test_one_passage_of_a_117_page_pdf_renders_one_page(service):
                               seg.pages[0], seg.pages[1], spans=[span])
     expected_page = max(p for p, start in enumerate(doc["page_starts"], 1) if start <= span[0])
 
-    shown = service.passage("alice", sid, seg.index)
+    passage = service.passage("alice", sid, seg.index)
+    shown = {"text": passage_view_html(passage.text), "page": page_view_html(passage.page)}
     assert service.pages.renders == 1  # one page drawn, of 117
-    assert f'data-page="{expected_page}"' in shown["page"] and shown["page_no"] == expected_page
+    assert f'data-page="{expected_page}"' in shown["page"] and passage.page.page_no == expected_page
     assert shown["page"].count('class="mg-box"') >= 1  # the sentence's character boxes were found
     (s, e, text), = marks(shown["text"])
     assert (s, e) == span and " ".join(text.split()) == " ".join(sentence.group().replace("-\n", "").split())
@@ -106,10 +108,10 @@ def test_one_passage_of_a_117_page_pdf_renders_one_page(service):
     service.passage("alice", sid, seg.index)  # again: from the cache
     assert service.pages.renders == 1
     assert service.store.get_session(sid)["position"] == seg.index  # where the reader left off
-    assert service.view("alice", sid)["passage"].count('class="mg-span"') == 1  # reopened there
+    assert passage_view_html(service.view("alice", sid).passage.text).count('class="mg-span"') == 1  # reopened there
     assert service.pages.renders == 1
     unread = service.passage("alice", sid, seg.index + 1)  # a segment with no margin yet: shown whole
-    assert "no margin yet" in unread["text"] and service.pages.renders <= 2
+    assert "no margin yet" in passage_view_html(unread.text) and service.pages.renders <= 2
     with pytest.raises(UserError):
         service.passage("alice", sid, len(segments) + 5)
     with pytest.raises(UserError):
@@ -139,7 +141,7 @@ def test_library_lists_documents_with_progress(service, tmp_path):
     service.store.save_margin(second, 0, "", None, None, 0, 1)
     service.store.save_answer(first, "What is here?", "A sentence.", [1], 1.0)
     service.view("alice", first)  # opened last
-    page = service.library_html("alice")
+    page = library_html(service.library("alice"))
     rows = re.findall(r'<li class="mg-reading" data-session="([^"]+)" data-read="(\d+)" data-total="(\d+)" '
                       r'data-status="([a-z ]+)"', page)
     assert [(sid, int(r), int(t), st) for sid, r, t, st in rows] == [
@@ -147,4 +149,4 @@ def test_library_lists_documents_with_progress(service, tmp_path):
         (second, 1, service.store.get_session(second)["segments_total"], "stopped")]
     assert f"{total - 1} margins kept · 1 question asked" in page  # margin 0 judged irrelevant
     assert service.last_opened("alice") == first
-    assert "tokens" in page and service.library_html("bob").count("mg-reading") == 0
+    assert "tokens" in page and library_html(service.library("bob")).count("mg-reading") == 0

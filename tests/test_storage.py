@@ -7,8 +7,9 @@ import threading
 import pytest
 import sqlite_utils
 
-from app import storage
+from app import exports, storage
 from app.storage import Store
+from engine import Settings
 
 TEXT = "Call me Ishmael. " * 20
 
@@ -31,7 +32,7 @@ def add_doc(store, text=TEXT, **kw):
 
 def new_session(store, owner="alice", settings=None, total=4):
     return store.create_session(owner, add_doc(store), "Who is Ahab?", "qwen3-0.6b",
-                                settings or {"classifier": "minilm"}, total)
+                                settings or Settings(classifier="embedding"), total)
 
 
 def applied(path):
@@ -98,7 +99,7 @@ def test_session_ownership_isolation(store):
     assert store.list_sessions("bob") == []
     assert store.delete_session(sid, "bob") is False
     with pytest.raises(KeyError):
-        store.export_json(sid, owner="bob")
+        exports.as_json(store, sid, owner="bob")
     assert store.get_session(sid, owner="alice") is not None
     assert store.delete_session(sid, "alice") is True
     assert store.get_session(sid) is None
@@ -116,14 +117,14 @@ def test_list_sessions_newest_first_with_counts(store):
 
 
 def test_update_session_bumps_updated_and_roundtrips_settings(store, path):
-    settings = {"classifier": "minilm", "threshold": 0.35, "window": [4096, None], "ü": "ß"}
+    settings = Settings(classifier="embedding", embedding_threshold=0.35, context_limit=4096, window="sliding")
     sid = new_session(store, settings=settings)
-    assert store.get_session(sid)["settings"] == settings
+    assert store.get_session(sid)["settings"] == settings  # the engine's Settings, as they were given
     before = store.get_session(sid)["updated"]
-    store.update_session(sid, status="reading", settings={**settings, "threshold": 0.5})
+    store.update_session(sid, status="reading", settings=Settings(embedding_threshold=0.5))
     s = Store(path).get_session(sid)
     assert s["status"] == "reading" and s["updated"] > before
-    assert s["settings"] == {**settings, "threshold": 0.5}
+    assert s["settings"] == Settings(embedding_threshold=0.5)
     with pytest.raises(ValueError):
         store.update_session(sid, owner="mallory")
     with pytest.raises(ValueError):
@@ -219,18 +220,26 @@ def test_delete_session_removes_its_margins_and_answers(store, path):
     assert db["documents"].count == 1  # documents are shared, they stay
 
 
+def test_settings_stored_by_an_older_version_read_as_they_were_read(store, path):
+    """Settings saved before margins had a style were free-form notes; fields the engine no longer has are left out."""
+    sid = new_session(store)
+    sqlite_utils.Database(path)["sessions"].update(sid, {"settings": json.dumps(
+        {"segment_tokens": 256, "classifier": "llm", "no_longer_a_setting": 1})})
+    assert store.get_session(sid)["settings"] == Settings(segment_tokens=256, classifier="llm", margins="abstractive")
+
+
 def test_exports(store):
-    sid = new_session(store, settings={"classifier": "minilm", "threshold": 0.35})
+    sid = new_session(store, settings=Settings(classifier="embedding", embedding_threshold=0.35))
     store.save_margin(sid, 0, "Ishmael goes to sea.", False, 0.12, 0, 17, 1, 1)
     store.save_margin(sid, 1, "Ahab's leg.", True, 0.91, 17, 40, 2, 3)
     store.set_mark(sid, 0, True)
     store.save_answer(sid, "Who is Ahab?", "The one-legged captain.", [0, 1], 3.2)
 
-    data = store.export_json(sid)
+    data = exports.as_json(store, sid)
     assert json.loads(json.dumps(data)) == data  # serialisable as is
     assert data["document"]["title"] == "Moby-Dick"
     assert data["question"] == "Who is Ahab?"
-    assert data["settings"] == {"classifier": "minilm", "threshold": 0.35}
+    assert data["settings"] == Settings(classifier="embedding", embedding_threshold=0.35).to_dict()
     m0, m1 = data["margins"]
     assert (m0["verdict"], m0["mark"], m0["effective"], m0["page_start"]) == (False, True, True, 1)
     assert (m1["verdict"], m1["mark"], m1["page_start"], m1["page_end"]) == (True, None, 2, 3)
@@ -238,15 +247,15 @@ def test_exports(store):
                                 "margins_used": [0, 1], "seconds": 3.2,
                                 "created": data["answers"][0]["created"]}]
 
-    md = store.export_markdown(sid)
+    md = exports.markdown(store, sid)
     assert md.startswith("# Moby-Dick\n")
     for piece in ("**Question:** Who is Ahab?", "## Answers", "The one-legged captain.",
                   "Margins used: segments 1, 2", "## Margin notes",
                   "### Segment 1 · p. 1 · relevant (reader)", "Ishmael goes to sea.",
-                  "### Segment 2 · p. 2–3 · relevant (0.91)", "Ahab's leg.", '"threshold": 0.35'):
+                  "### Segment 2 · p. 2–3 · relevant (0.91)", "Ahab's leg.", '"embedding_threshold": 0.35'):
         assert piece in md, piece
     with pytest.raises(KeyError):
-        store.export_markdown("no-such-session")
+        exports.markdown(store, "no-such-session")
 
 
 def test_an_answer_keeps_its_reasoning_and_older_answers_read_without_one(path):
@@ -259,6 +268,6 @@ def test_an_answer_keeps_its_reasoning_and_older_answers_read_without_one(path):
     store.save_answer(sid, "Who is Ahab?", "The captain.", [], 1.0)
     first, second = store.answers(sid)
     assert first["reasoning"].startswith("The notes say John went") and second["reasoning"] == ""
-    assert [a["reasoning"] for a in store.export_json(sid)["answers"]] == [first["reasoning"], ""]
-    assert "*How it was found: The notes say John went" in store.export_markdown(sid)
+    assert [a["reasoning"] for a in exports.as_json(store, sid)["answers"]] == [first["reasoning"], ""]
+    assert "*How it was found: The notes say John went" in exports.markdown(store, sid)
     assert "m006_answer_reasoning" in applied(path)
