@@ -10,12 +10,11 @@ Cost is in reading the document, so each case is read once per reading pattern:
   wim cache *is* plain reading's cache (the notes were cut off), so the question goes straight after the
   document. Past the window (or with no wim read in this run) `llm` reads on its own; `llm-read` always does,
   to check on a sample that the shared read gives the same answers (the report gives the agreement);
-- `rag` reads once; so does `wim-group` (notes that overflow their room grouped under notes over each group:
-  a different read past the window, where the carried notes change what later windows see).
+- `rag` reads once.
 With `--reads DIR` each case's wim read (its cache, engine/saved.py, and its record) is kept there and taken up
-again by a later run, so a changed answer prompt or a new wim mode costs answers, not reads. Without it, a mode
-whose answer re-reads its notes' passages (wim-passages; past the window the look-up) added to a finished run
-needs no read either: the recorded read's notes are taken up without a cache (Reading.restore_notes).
+again by a later run, so a changed answer prompt or a new wim mode costs answers, not reads. Without it, a wim
+mode added to a finished run past the window needs no read either: its answer re-reads its notes' passages (the
+look-up), so the recorded read's notes are taken up without a cache (Reading.restore_notes).
 Every (case, mode) result is appended to a JSONL record as soon as it exists; a rerun with the same settings
 skips what is there, so `--n` can grow later and an interrupted run loses at most one case.
 """
@@ -36,36 +35,23 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.answering import FRESH_WINDOWS, answer_window, says_not_stated
+from engine.answering import says_not_stated
 from engine.attribution import without_citations
 from engine.classify import combined_verdict, says_nothing
 from engine.model import dtype_name
-from engine.wim import Settings
+from engine.settings import Settings
 
 from .common import RESULTS, load_engine, md_table, segment_tokens_for, write_results
 from .tasks import BABILONG_TASKS, FIXED_TASKS, TASKS, Case, babilong_samples, make_case
 
-# wim mode -> (the verdicts that choose its margins, the answer style past the window; None: the engine's default).
-# wim-<classifier>: the margins that classifier keeps (wim-combined: engine/classify.py's combined_verdict, on the
-# read's own MiniLM verdicts); wim-reader: the margins a careful reader would keep (those on the case's gold
-# segments: the human-in-the-loop upper bound); wim-lookup: the default classifier's margins, answered past the
-# window with their passages re-read into the answer window (answer_style lookup); wim-notes: the same margins
-# answered from the last window and the notes alone (answer_style notes); wim-passages: the default classifier's
-# margins answered from their passages re-read into a fresh window, inside one window too (answer_style passages);
-# wim-recall: the same margins' passages re-read after the whole document (answer_style recall); wim-filled: past
-# the window, the default classifier's margins' passages and the likeliest others in the room left (answer_style
-# filled).
-WIM_MODES = {"wim-margin": ("margin", None), "wim-llm": ("llm", None), "wim-embedding": ("embedding", None),
-             "wim-combined": ("combined", None),
-             "wim-none": ("none", None), "wim-reader": ("reader", None), "wim-lookup": ("margin", "lookup"),
-             "wim-notes": ("margin", "notes"), "wim-passages": ("combined", "passages"),
-             "wim-recall": ("combined", "recall"), "wim-filled": ("combined", "filled")}
-# Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache), wim-group (WiM with
-# Settings.overflow "group": notes that overflow a window's or the answer's room are grouped under notes written
-# over each group, which changes what later windows read, so it cannot share the default read).
-OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {}),
-            "wim-group": ("wim", {"overflow": "group"})}
-MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only", "wim-group")
+# wim mode -> the verdicts that choose its margins. wim-<classifier>: the margins that classifier keeps
+# (wim-combined: engine/classify.py's combined_verdict, on the read's own MiniLM verdicts); wim-reader: the margins
+# a careful reader would keep (those on the case's gold segments: the human-in-the-loop upper bound).
+WIM_MODES = {"wim-margin": "margin", "wim-llm": "llm", "wim-embedding": "embedding", "wim-combined": "combined",
+             "wim-none": "none", "wim-reader": "reader"}
+# Modes with a read of their own: llm-read (plain reading, not from the WiM read's cache).
+OWN_READ = {"llm": ("llm", {}), "llm-read": ("llm", {}), "rag": ("rag", {})}
+MODES = (*WIM_MODES, "llm", "llm-read", "rag", "margins-only")
 ALIASES = {"wim": tuple(WIM_MODES)}
 # margins-only answers from the notes the app's default classifier keeps (Settings.classifier; "margin" until
 # 2026-12-06, when the default had long been "combined": the records name the classifier they used).
@@ -160,10 +146,10 @@ def bootstrap(values: list[float], iterations: int = 2000, seed: int = 0) -> tup
 class Evaluator:
     def __init__(self, engine, margin_tokens: int, segments: int, max_segment_tokens: int,
                  margins: str = "extractive", context_limit: int | None = None, reads: Path | None = None,
-                 copy_choice: str = "opening", notes_so_far: bool = False):
+                 copy_choice: str = "opening"):
         self.engine = engine
         self.margin_tokens, self.segments, self.max_segment = margin_tokens, segments, max_segment_tokens
-        self.margins, self.copy_choice, self.notes_so_far = margins, copy_choice, notes_so_far
+        self.margins, self.copy_choice = margins, copy_choice
         self.context_limit = context_limit
         self.reads = reads
 
@@ -175,7 +161,7 @@ class Evaluator:
         size = min(segment_tokens_for(case.text, tok, self.segments), self.max_segment)
         return Settings(mode=mode, segment_tokens=size, margin_tokens=self.margin_tokens,
                         answer_tokens=case.answer_tokens, margins=self.margins, context_limit=self.context_limit,
-                        copy_choice=self.copy_choice, notes_so_far=self.notes_so_far)
+                        copy_choice=self.copy_choice)
 
     def wim_read(self, case: Case, base, notes_only: dict | None = None) -> tuple[object, dict]:
         """(reading, its record): read now, or taken up from --reads where an earlier run kept it, or (given
@@ -224,6 +210,7 @@ class Evaluator:
         gold = gold_segments(case, reading)
         verdicts["reader"] = {i: bool(text) and i in gold for i, text in margins.items()}
         return {"mode": "wim-read", "seconds": read_s, "margins": margins, "verdicts": verdicts,
+                "spans": {i: [list(span) for span in m.spans] for i, m in sorted(reading.margins.items())},
                 "relevance": {i: notes[i].score for i in notes}, "endings": {i: notes[i].ending for i in notes},
                 "gold_segments": gold, "stats": next((e.to_dict() for e in events if e.kind == "stats"), None),
                 "segments": len(reading.segments), "notices": [e.text for e in events if e.kind == "notice"],
@@ -242,7 +229,7 @@ class Evaluator:
             # and where every other needed answer re-reads its passages, the read's notes are all it takes.
             answered: dict[tuple, dict] = {}  # answer key -> record: two modes giving the same (greedy) answer
             if read is not None:
-                answered = {self._answer_key(rec["margins_used"], WIM_MODES[m][1], read["windows"] > 1): rec
+                answered = {self._answer_key(rec["margins_used"]): rec
                             for m, rec in stored.items() if m in WIM_MODES and "margins_used" in rec}
             stored_read = read
             reading, read = self.wim_read(case, self.settings(case, "wim"),
@@ -255,17 +242,17 @@ class Evaluator:
             # JSON keys are strings: a record taken up from --reads gives them back as numbers.
             verdicts = {method: {int(i): v for i, v in got.items()} for method, got in read["verdicts"].items()}
             for mode in wim_needed:
-                selection, style = WIM_MODES[mode]
+                selection = WIM_MODES[mode]
                 if selection not in verdicts:
                     continue
                 chosen = [i for i, keep in verdicts[selection].items() if keep]
-                key = self._answer_key(chosen, style, reading.multiwindow)
+                key = self._answer_key(chosen)
                 if key in answered:
                     same = answered[key]
                     out[mode] = same | {"mode": mode, "same_selection_as": same["mode"]}
                     continue
                 t = time.perf_counter()
-                answer = [e for e in reading.answer(case.query, margins=chosen, style=style)
+                answer = [e for e in reading.answer(case.query, margins=chosen)
                           if isinstance(e, Answer)][0]
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, margins_used=chosen,
                                          ending=answer.ending, retried=answer.retried, citations=answer.citations,
@@ -299,29 +286,25 @@ class Evaluator:
                     print(f"{case.key}: {mode} failed: {type(exc).__name__}: {exc}", flush=True)
                     continue
                 answer = [e for e in events if isinstance(e, Answer)][0]
-                extra = {} if engine_mode != "wim" else {
-                    "margins_used": answer.margins_used, "citations": answer.citations,
-                    "groups": [e.to_dict() for e in events if e.kind == "group_margin"]}
+                extra = {} if engine_mode != "wim" else {"margins_used": answer.margins_used,
+                                                         "citations": answer.citations}
                 out[mode] = self._record(case, mode, answer.text, time.perf_counter() - t, ending=answer.ending,
                                          retried=answer.retried, **extra)
         return out
 
     @staticmethod
-    def _answer_key(chosen, style: str | None, multiwindow: bool) -> tuple:
-        """Two answers with the same key are the same greedy computation: the same margins, and the same window
-        read beside them (engine/answering.py's answer_window)."""
-        return tuple(sorted(int(i) for i in chosen)), answer_window(style or Settings.answer_style, multiwindow,
-                                                                    bool(chosen))
+    def _answer_key(chosen) -> tuple:
+        """Two answers with the same key are the same greedy computation: the same margins, answered from the
+        same reading."""
+        return tuple(sorted(int(i) for i in chosen))
 
     def _notes_suffice(self, read: dict, needed: list[str], answered: dict) -> bool:
-        """Whether every needed wim answer is recorded already or re-reads its passages (no cache needed)."""
-        for mode in needed:
-            selection, style = WIM_MODES[mode]
-            chosen = [i for i, keep in read["verdicts"].get(selection, {}).items() if keep]
-            key = self._answer_key(chosen, style, read["windows"] > 1)
-            if key not in answered and key[1] not in FRESH_WINDOWS:
-                return False
-        return True
+        """Whether every needed wim answer is recorded already or, past the window, re-reads its notes' passages
+        (the look-up: no cache of the text needed)."""
+        if read["windows"] > 1:
+            return True
+        return all(self._answer_key([i for i, keep in read["verdicts"].get(WIM_MODES[mode], {}).items() if keep])
+                   in answered for mode in needed)
 
     @staticmethod
     def _record(case: Case, mode: str, prediction: str, seconds: float, **extra) -> dict:
@@ -361,7 +344,6 @@ def fingerprint(engine, args) -> str:
              # copies chosen by their openings (the records made token by token keep their fingerprint)
              *(["copy=opening"] if args.margins == "extractive" and args.copy_choice == "opening" else []),
              *([f"context_limit={args.context_limit}"] if args.context_limit else []),
-             *(["notes_so_far"] if getattr(args, "notes_so_far", False) else []),
              # the fused kernel's sums come in another order than torch's (torch's records keep their fingerprint)
              *([f"attention={kernel}"] if (kernel := attention_kernel()) != "torch" else []),
              # decode weights asked for by name, not left to the engine (their sums differ: another record)
@@ -488,15 +470,7 @@ def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
         "and no other), each with a 95% Wilson interval; aggregation by set F1 of the listed items with a 95% "
         "bootstrap interval. wim-margin / wim-llm / wim-embedding / wim-none: WiM answering with the margins each "
         "classifier keeps (margin: the note's own relevance; none: all margins); margins-only: the notes the "
-        f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document"
-        + ("; wim-passages: the default classifier's margins answered from their passages re-read into a fresh "
-           "window, then the notes and the question (the rest of the document left out)"
-           + ("; answers marked notes_from_record in the records took up the recorded read's notes, not its cache"
-              if meta.get("notes_from_record") else "") if "wim-passages" in modes else "")
-        + ("; wim-recall: the same margins' passages re-read after the whole document, next to the question"
-           if "wim-recall" in modes else "")
-        + ("; wim-filled: past the window, those passages and the likeliest others in the room left"
-           if "wim-filled" in modes else "") + ".\n",
+        f"default classifier ({MARGINS_ONLY_CLASSIFIER}) keeps, without the document.\n",
         md_table(["task", "length", *modes], table), "",
         "Mean seconds per case and mode (wim-*: the answer step only; the shared wim read is listed as wim-read):\n",
         md_table(["mode", "s"], cost + ([["wim-read", f"{meta['wim_read_seconds']:.1f}"]]
@@ -531,8 +505,6 @@ def add_read_options(parser: argparse.ArgumentParser) -> None:
                         help="how margins are written (engine Settings.margins)")
     parser.add_argument("--copy-choice", default="opening", choices=("opening", "token"),
                         help="how a copied note chooses its sentences (engine Settings.copy_choice)")
-    parser.add_argument("--notes-so-far", action="store_true",
-                        help="the notes kept so far ride in each margin's instruction (engine Settings.notes_so_far)")
     parser.add_argument("--context-limit", type=int, default=None,
                         help="tokens the cache may hold (default: the model's window); a smaller limit reads a "
                              "long text in several windows at a fraction of the cost of a window that long")
@@ -541,7 +513,7 @@ def add_read_options(parser: argparse.ArgumentParser) -> None:
 def evaluator_for(engine, args, reads: Path | None = None) -> Evaluator:
     """The Evaluator for add_read_options' options; `reads`: where reads are kept and taken up again."""
     return Evaluator(engine, args.margin_tokens, args.segments, args.max_segment_tokens, args.margins,
-                     args.context_limit, reads, args.copy_choice, args.notes_so_far)
+                     args.context_limit, reads, args.copy_choice)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,7 +601,6 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = evaluator_for(engine, args, args.reads)
     meta = {"model": engine.lm.name, "dtype": dtype_name(engine.lm.dtype), "lengths": lengths,
             "segments": args.segments, "margin_tokens": args.margin_tokens, "copy_choice": args.copy_choice,
-            "notes_so_far": args.notes_so_far,
             "max_segment_tokens": args.max_segment_tokens, "context_limit": args.context_limit or
             engine.lm.context_length, "seed": args.seed, "n": args.n, "tasks": tasks,
             "modes": modes, "quick": args.quick, "fingerprint": fp, "attention": attention_kernel(),

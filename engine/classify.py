@@ -57,7 +57,8 @@ def load_embedder(device: str = "cpu"):
 
 
 def embed(texts: list[str], device: str = "cpu") -> torch.Tensor:
-    return load_embedder(device).encode(texts, convert_to_tensor=True, normalize_embeddings=True).float().cpu()
+    return load_embedder(device).encode(texts, convert_to_tensor=True, normalize_embeddings=True,
+                                        show_progress_bar=False).float().cpu()
 
 
 class LLMClassifier:

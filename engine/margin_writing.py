@@ -8,22 +8,18 @@ callback that files each finished note (engine/wim.py's Reading keeps them by se
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from .batch_scratch import BatchScratch
 from .classify import Classifier
 from .events import Event, Margin, MarginToken
+from .evidence import proposed
 from .margins import OPENING_TOKENS, Abstractive, Extractive, Note, Scored, Scratch, pieces_of
 from .segment import Segment
 
 
 SCORING_ROOM = 8 * OPENING_TOKENS
-# With Settings.notes_so_far: the most tokens the earlier notes take in a margin's instruction (the latest kept
-# notes that fit; about six one-sentence notes), and at most this share of the window (a small window keeps its room
-# for the text).
-NOTES_SO_FAR_TOKENS = 192
-NOTES_SO_FAR_SHARE = 1 / 16
 
 
 @dataclass
@@ -38,35 +34,17 @@ class MarginNote:
 class MarginWriting:
     """The margins of one reading (engine, settings, segmented text, runner and sampling generator)."""
 
-    def __init__(self, engine, settings, doc, runner, generator, kept_before: Callable[[int], list[str]],
-                 window: int):
+    def __init__(self, engine, settings, doc, runner, generator):
         self.engine, self.settings, self.doc, self.runner, self.generator = engine, settings, doc, runner, generator
         self.layout = engine.layout
-        self.kept_before = kept_before  # segment index -> the texts of the notes kept before it, in text order
-        self.notes_room = min(NOTES_SO_FAR_TOKENS, int(window * NOTES_SO_FAR_SHARE))
 
     def instruction(self, query: str, index: int | None = None) -> list[int]:
-        """The margin instruction after segment `index` (engine/prompts/). With Settings.notes_so_far and a note
-        kept before it, the latest kept notes ride in the instruction: a sentence that matters only through an
-        earlier note (where the person who took the object went next) can then be seen to matter."""
-        s = self.settings
-        earlier = self.kept_before(index) if s.notes_so_far and index is not None else []
-        lines: list[str] = []
-        for text in reversed(earlier):
-            line = f"- {' '.join(text.split())}"
-            if len(self.layout.encode("\n".join([line, *lines]))) > self.notes_room:
-                break
-            lines.insert(0, line)
-        if not lines:
-            return self.layout.suffix(s.margin_prompt, query=query)
-        return self.layout.suffix(s.margin_prompt + "_notes", query=query, notes="\n".join(lines))
+        """The margin instruction after a segment (engine/prompts/): the same after every segment."""
+        return self.layout.suffix(self.settings.margin_prompt, query=query)
 
     def instruction_reserve(self) -> int:
         """Room a margin's instruction may take past the document, the question's words aside."""
-        s = self.settings
-        if s.notes_so_far:
-            return len(self.layout.suffix(s.margin_prompt + "_notes", query="", notes="")) + self.notes_room
-        return len(self.layout.suffix(s.margin_prompt, query=""))
+        return len(self.layout.suffix(self.settings.margin_prompt, query=""))
 
     def folds_instruction(self) -> bool:
         """Whether the margin instruction rides in its segment's last prefill pass: with the model in this
@@ -107,7 +85,33 @@ class MarginWriting:
             finally:
                 # Cut the instruction and the note off: the cache is back at the end of the document.
                 cache.truncate(doc_end)
+        note = yield from self.complete(seg, note, pieces, query)
         yield from self.file(seg, note, query, classifier, stop, time.perf_counter() - t, keep)
+
+    def complete(self, seg: Segment, note: Note, pieces, query: str) -> Iterator[Event]:
+        """The note with the sentences of its segment that the evidence proposes and the model did not copy
+        (engine/evidence.py), after the model's own copy, in text order, as many as the note's token cap holds.
+        Streams the added text (what streamed is the note); returns the completed Note. Free-form notes are left
+        as they are."""
+        if self.settings.margins == "abstractive" or not pieces:
+            return note
+        device = "cuda" if self.engine.lm.device.type == "cuda" else "cpu"
+        have = set(note.spans)
+        extra = [i for i in proposed(query, [p.text for p in pieces], device) if pieces[i].span not in have]
+        room = self.settings.margin_tokens - note.tokens
+        added = []
+        for i in extra:
+            if len(pieces[i].ids_after) <= room:
+                added.append(i)
+                room -= len(pieces[i].ids_after)
+        if not added:
+            return note
+        more = " ".join(pieces[i].text for i in added)
+        yield MarginToken(seg.index, (" " if note.text else "") + more)
+        return replace(note, text=f"{note.text} {more}" if note.text else more,
+                       spans=(*note.spans, *(pieces[i].span for i in added)),
+                       tokens=note.tokens + sum(len(pieces[i].ids_after) for i in added), proposed=len(added),
+                       ending=note.ending if note.text else "proposed")
 
     def file(self, seg: Segment, note: Note, query: str, classifier: Classifier, stop, seconds: float,
              keep: Callable[[MarginNote], None]) -> Iterator[Event]:
@@ -118,7 +122,7 @@ class MarginWriting:
                 relevant, score = None, note.relevance
             elif not note.text:
                 relevant, score = False, note.relevance
-            elif s.classifier == "margin":
+            elif note.proposed or s.classifier == "margin":
                 relevant, score = True, note.relevance
             else:
                 relevant, score = classifier(query, note.text, stop, relevance=note.relevance)
@@ -131,11 +135,10 @@ class MarginWriting:
         """Whether a window's new-question margins may be written in one batch: the local runner over the
         preallocated cache, a writer that decodes token by token (scored notes score rows of their own), and
         greedy choice (sampling would draw from the shared generator in another order than one margin after
-        another, and the notes would differ from a fresh read's), and one instruction for every row (with
-        notes_so_far each margin's instruction holds the notes kept before it, so they are written in order)."""
+        another, and the notes would differ from a fresh read's)."""
         s = self.settings
         return (not hasattr(self.runner, "scratch") and hasattr(cache, "evict") and s.margins != "scored"
-                and s.temperature <= 0 and not s.notes_so_far)
+                and s.temperature <= 0)
 
     def write_together(self, segments: list[Segment], boundaries: dict[int, int], query: str,
                        classifier: Classifier, cache, doc_end: int, limit: int, stop,
@@ -157,10 +160,11 @@ class MarginWriting:
             with self.engine.lock:
                 rows = BatchScratch(self.runner, cache, doc_end, stop).write(jobs)
             seconds = (time.perf_counter() - t) / len(group)  # written together: each gets its share
-            for seg, row in zip(group, rows):
+            for seg, row, (_, _, _, pieces) in zip(group, rows, jobs):
                 for piece in row.pieces:
                     yield MarginToken(seg.index, piece)
-                yield from self.file(seg, row.note, query, classifier, stop, seconds, keep)
+                note = yield from self.complete(seg, row.note, pieces, query)
+                yield from self.file(seg, note, query, classifier, stop, seconds, keep)
 
 
 def _relay(index: int, pieces) -> Iterator[Event]:

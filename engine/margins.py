@@ -182,20 +182,34 @@ class Piece:
     ids_after: tuple[int, ...]
 
 
-def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int,
-              skip: tuple[tuple[int, int], ...] = ()) -> list[Piece]:
-    """The segment text[start:end] cut into sentences of at most `max_tokens` tokens (a longer one is cut at
-    line breaks, then between words), stripped of surrounding white space; only pieces with a word in them.
-    `skip`: spans never copied (a paginated text's running lines), cut out of the sentences they sit in."""
+def sentence_spans(text: str, start: int = 0, end: int | None = None,
+                   skip: tuple[tuple[int, int], ...] = ()) -> list[tuple[int, int]]:
+    """text[start:end] cut where a note's pieces are cut: at sentence ends, paragraph breaks, and around field
+    labels (the labels themselves left out). `skip`: spans never copied (a paginated text's running lines), cut
+    out of the sentences they sit in. The spans are not stripped and may hold no word."""
+    end = len(text) if end is None else end
     cuts = {m.end() for m in _SENTENCE_END.finditer(text, start, end)}
     found = [m.span() for m in _LABEL.finditer(text, start, end)]
     labels = {b for _, b in found}
     skipped = [(a, b) for a, b in skip if a < end and b > start]
     cuts |= labels | {a for a, _ in found} | {x for span in skipped for x in span}
     edges = [start, *sorted(c for c in cuts if start < c < end), end]
-    spans = [(a, b) for a, b in zip(edges, edges[1:])
-             if b not in labels  # the labels themselves: not copied
-             and not any(x <= a and b <= y for x, y in skipped)]
+    return [(a, b) for a, b in zip(edges, edges[1:])
+            if b not in labels  # the labels themselves: not copied
+            and not any(x <= a and b <= y for x, y in skipped)]
+
+
+def sentences_of(text: str) -> list[str]:
+    """The sentences a note's pieces are cut into, stripped, those with a word in them."""
+    return [text[a:b].strip() for a, b in sentence_spans(text) if _WORD_CHAR.search(text, a, b)]
+
+
+def pieces_of(text: str, start: int, end: int, tokenizer, max_tokens: int,
+              skip: tuple[tuple[int, int], ...] = ()) -> list[Piece]:
+    """The segment text[start:end] cut into sentences (`sentence_spans`) of at most `max_tokens` tokens (a longer
+    one is cut at line breaks, then between words), stripped of surrounding white space; only pieces with a word
+    in them."""
+    spans = sentence_spans(text, start, end, skip)
     out: list[Piece] = []
 
     def add(a: int, b: int, depth: int = 0) -> None:
@@ -269,7 +283,8 @@ class Note:
     relevance: float | None = None      # P(copy) / (P(copy) + P(nothing)) at the first step
     steps: int = 0                      # forward passes after the instruction
     tokens: int = 0                     # tokens of the note
-    ending: str = "end"                 # end | nothing | limit | repeat
+    ending: str = "end"                 # end | nothing | limit | repeat | proposed (the evidence's copies only)
+    proposed: int = 0                   # sentences the evidence added to the model's copy (engine/evidence.py)
 
 
 class Extractive:
@@ -335,9 +350,8 @@ class Extractive:
             if done and chosen is not None:
                 chosen, kids = None, {}  # copied whole: what follows is the end or another piece
             if done and not kids and (len(used) + 1 >= MAX_PIECES or not open_children(after)):
-                used.append(done[0])  # nothing left to choose: the note ends without another pass
-                yield self._streamed(pieces, used)
-                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
+                # nothing left to choose: the note ends without another pass
+                return (yield from self._last(done[0], pieces, used, relevance, steps, tokens))
             options = set(kids)
             nxt: set[int] = set()
             if done:
@@ -348,9 +362,7 @@ class Extractive:
                            if any(i != done[0] and fits(i, budget_after) for i in c.below)}
                     options |= nxt - set(kids)
             if not options:  # a finished piece with no way to go on or to end (no end tokens: fixed-length runs)
-                used.append(done[0])
-                yield self._streamed(pieces, used)
-                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
+                return (yield from self._last(done[0], pieces, used, relevance, steps, tokens))
             logits = scratch.feed(pending, options)
             steps += 1
             if len(pending) == 1:  # a choice the model made token by token: a decode step
@@ -368,7 +380,7 @@ class Extractive:
             budget -= len(pieces[done[0]].ids_after)
             yield self._streamed(pieces, used)
             if token in self.end_ids:
-                return Note(self._text(pieces, used), tuple(pieces[i].span for i in used), relevance, steps, tokens)
+                return self._note(pieces, used, relevance, steps, tokens)
             node = after
 
     def _go_on(self, scratch, logits: torch.Tensor, pieces: list[Piece], nxt: set[int], finished: int,
@@ -399,9 +411,17 @@ class Extractive:
         k = pick_token(scores, self.temperature, self.generator)
         return candidates[keep[k]], float(scores[k])
 
+    def _last(self, piece: int, pieces: list[Piece], used: list[int], relevance: float, steps: int,
+              tokens: int) -> Iterator[str]:
+        """Stream the note's last piece; return the Note."""
+        used.append(piece)
+        yield self._streamed(pieces, used)
+        return self._note(pieces, used, relevance, steps, tokens)
+
     @staticmethod
-    def _text(pieces: list[Piece], used: list[int]) -> str:
-        return " ".join(pieces[i].text for i in used)
+    def _note(pieces: list[Piece], used: list[int], relevance: float, steps: int, tokens: int) -> Note:
+        return Note(" ".join(pieces[i].text for i in used), tuple(pieces[i].span for i in used), relevance, steps,
+                    tokens)
 
     @staticmethod
     def _streamed(pieces: list[Piece], used: list[int]) -> str:

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from bench.tasks import TASKS, make_case
 from tests.conftest import ROOT, shared
 
 
@@ -26,6 +27,7 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@pytest.mark.slow
 def test_speed_quick(tmp_path):
     shared("books", "pg84.txt")
     done = _run("bench.speed", tmp_path)
@@ -53,6 +55,7 @@ def test_speed_quick(tmp_path):
     assert "identical: True" in done.stdout
 
 
+@pytest.mark.slow
 def test_prefill_quick(tmp_path):
     shared("books", "pg84.txt")
     _run("bench.prefill", tmp_path)
@@ -67,34 +70,13 @@ def test_prefill_quick(tmp_path):
     assert "| 640 |" in (tmp_path / "prefill_embedded.md").read_text()
 
 
-def test_decode_kernels_quick(tmp_path):
-    """The `gguf` decode copies against the full weights, the five ways in one process (the 135M, short); the
-    int8-input way runs its own kernels (fp16 scales), and the copies are left as loaded."""
-    from bench import decode_kernels
-    assert decode_kernels.main(["--model", "embedded", "--reps", "1", "--context", "64", "--threads", "1",
-                                "--out", str(tmp_path)]) == 0
-    data = json.loads(next(tmp_path.glob("decode_kernels_*.json")).read_text())
-    assert [r["way"] for r in data["rows"]] == list(decode_kernels.WAYS)
-    assert data["rows"][0]["ratio"] == 1.0 and all(r["ms"] > 0 for r in data["rows"])
-    assert data["meta"]["packs"]["choice"] == "gguf"
-
-
-def test_heap_quick(tmp_path):
-    shared("books", "pg84.txt")
-    done = _run("bench.heap", tmp_path)
-    rows = json.loads((tmp_path / "heap.json").read_text())["rows"]
-    assert [r["side"] for r in rows] == ["without malloc_trim", "with malloc_trim (the engine)"]
-    for r in rows:
-        assert len(r["rss_mib"]) == 3 and all(_number(r[k]) and r[k] > 0 for k in ("loaded_mib", "last_mib", "median_s"))
-    assert "with / without: last RSS" in done.stdout
-
-
+@pytest.mark.slow
 def test_eval_quick(tmp_path):
     """The way the README's table was made: cases generated once, run from the file, summarised by --report."""
     shared("babi", "qa1_single-supporting-fact_test.txt")
     cases = tmp_path / "cases.jsonl.gz"
     _run("bench.eval", tmp_path, "--dump-cases", str(cases))
-    all_modes = ("--modes", "wim,llm,llm-read,rag,margins-only,wim-group")
+    all_modes = ("--modes", "wim,llm,llm-read,rag,margins-only")
     _run("bench.eval", tmp_path, "--cases", str(cases), *all_modes)
     data = json.loads((tmp_path / "eval.json").read_text())
     md = (tmp_path / "eval.md").read_text()
@@ -128,8 +110,20 @@ def test_eval_quick(tmp_path):
     for m in summary["classifiers"].values():
         assert 0 <= m["precision"] <= 1 and 0 <= m["recall"] <= 1 and m["kept"] <= segments
     assert summary["classifiers"]["none"]["kept"] == sum(bool(t) for r in records for t in r["margins"].values())
+    # bench.notes counts what the same reads' notes copied, from the records alone.
+    from transformers import AutoTokenizer
+    from bench.notes import folder_counts, summarise as note_rows
+    from engine.model import resolve
+    _, counts = folder_counts(tmp_path, AutoTokenizer.from_pretrained(resolve("embedded")[0]))
+    rows = {r["task"]: r for r in note_rows(counts)}
+    for task in ("babilong", "multihop", "aggregation", "hotpotqa", "squad"):
+        r = rows[task]
+        assert r["gold"] > 0 and 0 <= r["found"] <= r["gold"] and 0 <= r["copied_gold"] <= r["copied"]
+        assert 0 < r["share_mean"] <= r["share_max"] < 1 or r["copied"] == 0
+    assert rows["unanswerable"]["recall"] is None and rows["all"]["n"] == len(TASKS) - 1
 
 
+@pytest.mark.slow
 def test_book_quick(tmp_path):
     """The whole-book row: the CLI run in windows, its events read back into one result."""
     shared("books", "pg1342.txt")
@@ -149,6 +143,7 @@ def test_book_quick(tmp_path):
     assert "follow-up / first read" in (tmp_path / "book.md").read_text() and "answer:" in done.stdout
 
 
+@pytest.mark.slow
 def test_eval_shard_runs_only_its_cases(tmp_path):
     cases = tmp_path / "cases.jsonl.gz"
     _run("bench.eval", tmp_path, "--dump-cases", str(cases))
@@ -232,6 +227,7 @@ def test_cases_are_reproducible_and_sized():
             assert all(n in a.text for n in needles)
 
 
+@pytest.mark.slow
 def test_eval_takes_up_kept_reads(tmp_path):
     """--reads keeps each case's wim read (cache and record); a later run answers from it without reading again,
     with the answers a fresh read gives."""
@@ -256,69 +252,35 @@ def test_eval_takes_up_kept_reads(tmp_path):
         assert (case, "wim-reader") in b
 
 
-def test_eval_answers_passages_from_the_recorded_notes_without_reading_again(tmp_path):
-    """wim-passages added to a finished run re-reads only the kept notes' passages: the recorded read's notes
-    are taken up (no cache, no new wim read), and its answers are those of a run that reads the cases afresh."""
+def test_note_recall_matches_gold_sentences_to_copied_ones():
+    """A gold sentence counts once it is copied: held by a piece (a HotpotQA title before it), or covered by the
+    pieces the engine cut it into; each piece and each repeat of a gold sentence counts once."""
+    from bench.notes import match
+    assert match(["Ann went home.", "Bob is tall and thin."], ["Ann went home.", "People: Bob is tall and thin.",
+                                                               "It rained."]) == (2, 2)
+    assert match(["The ledger records one lantern."] * 3, ["The ledger records one lantern."] * 2) == (2, 2)
+    assert match(["He sailed to the U.S. and stayed there for years."],
+                 ["He sailed to the U.S.", "and stayed there for years."]) == (1, 2)
+    assert match(["He sailed to the U.S. and stayed there for years."], ["He sailed to the U.S."]) == (0, 0)
+
+
+def test_gold_sentences_are_the_facts_that_decide_each_answer():
+    from transformers import AutoTokenizer
+    from bench.notes import gold_sentences, ledger_entries
+    from engine.model import resolve
+    tok = AutoTokenizer.from_pretrained(resolve("embedded")[0])
     shared("babi", "qa1_single-supporting-fact_test.txt")
-    tasks = ("--task", "babilong,multihop")
-    recorded, fresh = tmp_path / "recorded", tmp_path / "fresh"
-    _run("bench.eval", recorded, *tasks, "--modes", "wim-combined")
-    _run("bench.eval", recorded, *tasks, "--modes", "wim-combined,wim-passages")
-    _run("bench.eval", fresh, *tasks, "--modes", "wim-passages")
-
-    def records(folder):
-        return [json.loads(line) for line in (folder / "eval_cases.jsonl").read_text().splitlines()]
-
-    again = records(recorded)
-    assert sum(r["mode"] == "wim-read" for r in again) == 2  # one read a case, from the first run
-    fresh_answers = {r["case"]: r for r in records(fresh) if r["mode"] == "wim-passages"}
-    for r in (r for r in again if r["mode"] == "wim-passages"):
-        if r["margins_used"]:  # notes kept: their passages re-read into a fresh window
-            assert r["notes_from_record"] and r["passages"]
-        else:  # nothing kept: the default answer, recorded already
-            assert r["same_selection_as"] == "wim-combined"
-        assert r["prediction"] == fresh_answers[r["case"]]["prediction"]
-
-
-def test_answer_prompts_answers_every_candidate_from_one_kept_read(tmp_path):
-    """bench.answer_prompts: one read per case, kept with --reads; each candidate and plain reading answer from it,
-    and a later run with another candidate answers only that one, from the kept read."""
-    shared("babi", "qa1_single-supporting-fact_test.txt")
-    out, reads = tmp_path / "out", tmp_path / "reads"
-    common = ["--model", "embedded", "--length", "500", "--n", "1", "--tasks", "babilong,multihop",
-              "--out", str(out), "--reads", str(reads)]
-
-    def run(candidates: str) -> list[dict]:
-        cmd = [sys.executable, "-m", "bench.answer_prompts", *common, "--candidates", candidates]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-
-    first = run("list+emb-or-rel")
-    assert sorted((r["case"], r["candidate"]) for r in first) == [
-        (case, name) for case in ("babilong/500/0", "multihop/500/0") for name in ("list+emb-or-rel", "plain")]
-    assert sorted(p.name for p in reads.iterdir()) == ["babilong-500-0", "multihop-500-0"]
-    for r in first:
-        assert 0 <= r["score"] <= 1 and isinstance(r["prediction"], str) and r["kept"] is not None
-    kept_at = {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()}
-    second = run("list+emb-or-rel,margins-plain")
-    assert second[:len(first)] == first  # nothing done twice
-    assert sorted((r["case"], r["candidate"]) for r in second[len(first):]) == [
-        ("babilong/500/0", "margins-plain"), ("multihop/500/0", "margins-plain")]
-    assert {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()} == kept_at  # not read again
-    # bench.answer_choice weighs each case's WiM and plain answers from the same kept reads, reading nothing again.
-    choice = tmp_path / "choice.jsonl"
-    cmd = [sys.executable, "-m", "bench.answer_choice", "--model", "embedded", "--length", "500", "--n", "1",
-           "--tasks", "babilong,multihop", "--records", str(out / "records.jsonl"), "--reads", str(reads),
-           "--out", str(choice)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    weighed = [json.loads(line) for line in choice.read_text().splitlines()]
-    assert sorted(r["case"] for r in weighed) == ["babilong/500/0", "multihop/500/0"]
-    for r in weighed:
-        assert set(r["mean_logprob"]) == {"wim|wim", "wim|plain", "plain|wim", "plain|plain"}
-        assert all(-100 < v < 0 for v in r["mean_logprob"].values())
-        if r["answers"]["wim"] == r["answers"]["plain"]:  # one answer: the same likelihood either way
-            assert r["mean_logprob"]["wim|wim"] == r["mean_logprob"]["plain|wim"]
-    assert "chosen by the notes" in done.stdout
-    assert {p.name: (p / "reading.json").stat().st_mtime_ns for p in reads.iterdir()} == kept_at
+    for index in range(4):
+        case = make_case("babilong", 2000, index, tok, seed=5)
+        gold = gold_sentences(case)
+        assert 1 <= len(gold) <= 2 and set(gold) <= set(case.info["gold"]) and all(g in case.text for g in gold)
+    case = make_case("multihop", 2000, 0, tok, seed=5)
+    assert gold_sentences(case) == case.info["chain"]
+    case = make_case("aggregation", 2000, 0, tok, seed=5)
+    entries = ledger_entries(case.text)
+    assert gold_sentences(case) == entries and len(entries) == 10 * case.info["per_common"] + 20 * case.info["per_rare"]
+    case = make_case("hotpotqa", 4000, 0, tok, seed=5)
+    gold = gold_sentences(case)
+    assert len(gold) >= 2 and all(" ".join(g.split()) in " ".join(case.text.split()) for g in gold)
+    case = make_case("squad", 2000, 0, tok, seed=5)
+    assert len(gold_sentences(case)) == 1 and any(a in gold_sentences(case)[0] for a in case.answers)
