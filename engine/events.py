@@ -64,21 +64,8 @@ class Margin(Event):
     seconds: float = 0.0
     pages: tuple[int, int] | None = None
     spans: tuple[tuple[int, int], ...] = ()
-    ending: str = ""          # end | nothing | limit | repeat: how the note ended (limit: cut at its token cap)
-
-
-@dataclass(frozen=True)
-class GroupMargin(Event):
-    """A note written over consecutive kept notes that no longer fit their room (engine/group_notes.py): it
-    stands in for them, covering segments `first`..`last`; `members` are the segments whose notes it carries,
-    `tier` 2 or more when it was written over group notes."""
-    kind: ClassVar[str] = "group_margin"
-    first: int
-    last: int
-    text: str
-    members: list[int]
-    tier: int = 1
-    ending: str = ""
+    ending: str = ""          # end | nothing | limit | repeat | proposed: how the note ended (limit: cut at its
+                              # token cap; proposed: the model copied nothing, the evidence did)
 
 
 @dataclass(frozen=True)
@@ -96,7 +83,8 @@ class Answer(Event):
     text: str
     margins_used: list[int] = field(default_factory=list)
     query: str = ""
-    ending: str = ""          # end | paragraph | repeat | limit (cut at the answer's token cap)
+    ending: str = ""          # end | paragraph | repeat | limit (cut at the answer's token cap) | declined (no note
+                              # kept and no sentence near the question: engine/evidence.py)
     citations: list[int] = field(default_factory=list)  # segments the answer cites ("[segment 12]"), 0-based
     passages: list[int] = field(default_factory=list)   # past the window: segments re-read for the answer
     retried: int = 0          # loops taken back on the way (Settings.answer_retries)

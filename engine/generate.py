@@ -104,15 +104,20 @@ class Runner:
     early_stops = True  # free-form text ends at a loop or a paragraph; off: only end tokens and max_tokens
     takes_back = True   # decode can bar tokens where text began and go on from there (loops, a runaway answer)
 
-    def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None):
+    def __init__(self, model, tokenizer, device: torch.device, meter: Meter | None = None,
+                 written_out: bool | None = None):
+        """written_out: engine/decode_step.py's step and engine/prefill_step.py's pass where the model allows
+        (default: on a CPU). They are a CPU's path (the prefill merges two passes with torch's CPU flash kernel),
+        so a GPU, and a CPU loaded to run a GPU's path (LoadedModel.runs_as), keeps transformers' forward."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.meter = meter or Meter()
         self.stop_ids = self._stop_ids()
         self.cache_keyword = cache_keyword(model)  # `cache` or, before transformers 5.24, `past_key_values`
-        self.decode_step = DecodeStep.of(model)  # None unless every linear has a gguf-q8 copy
-        self.prefill_step = PrefillStep.of(model)  # None for a layout it does not write out
+        written_out = device.type == "cpu" if written_out is None else written_out
+        self.decode_step = DecodeStep.of(model) if written_out else None  # None unless every linear has a gguf-q8 copy
+        self.prefill_step = PrefillStep.of(model) if written_out else None  # None for a layout it does not write out
 
     def new_cache(self, capacity: int):
         return make_cache(self.model, capacity)

@@ -5,7 +5,7 @@ full weights.
 Why: a decode step reads every weight once, so its time is the weights' bytes. The layers of the Qwen 1.5B are
 1.1 G values stored as Q4_K in its GGUF: 2.2 GB in bf16, 0.56 GB as 4-bit groups of 32 with a scale and an
 offset each. torch's `_weight_int4pack_mm_for_cpu` multiplies one row by them in ~0.35x the time of bf16's
-matmul, but 32 rows take it 3.5-4.5x as long and 512 rows 6-17x (`python -m bench.decode_weights`), so the
+matmul, but 32 rows take it 3.5-4.5x as long and 512 rows 6-17x (bench/results/decode_weights/), so the
 full weights stay for prefill: the packs are memory added to the weights (0.625 bytes per value, against bf16's
 2: 663 MiB for the 1.5B, 63 MiB for the 135M).
 
@@ -33,61 +33,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .decode_copy import DecodeCopy
 from .files import into_place, partial_path
 
 log = logging.getLogger(__name__)
 
 GROUP = 32          # values per scale and offset: a Q4_0/Q4_1 block, a Q4_K sub-block
-DECODE_ROWS = 4     # passes of at most this many rows use the packs (the crossover measured by bench.decode_weights)
 INNER_K_TILES = 1   # the packing's innerKTiles argument (a CUDA tiling); the CPU layout was measured with 1
 
 # GGUF tensor names (per block) -> the module transformers loads them into, for llama and qwen2 layouts.
 _MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj"}
-
-
-class _DecodeCopy(torch.nn.Linear):
-    """A linear layer with its full weight (passes of many rows) and a second copy of the same values, in
-    buffers that are not saved with the model, for passes of at most DECODE_ROWS rows (`few_rows`; None there
-    means the full weight after all); passes of more rows take engine/prefill_int8.py's int8 copy where one was
-    added (`prefill_q`), or the full weight prepacked for oneDNN where `prepack_full_weights` replaced it
-    (`prefill_packed`)."""
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The full weight; where it was prepacked, a dense copy made for the caller (a fallback's rare path:
-        passes of many rows use the packed one)."""
-        weight = self._parameters.get("weight")
-        return weight if weight is not None else self.prefill_packed.to_dense()
-
-    def __init__(self, linear: torch.nn.Linear, **copy: torch.Tensor):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        for name, tensor in copy.items():
-            self.register_buffer(name, tensor, persistent=False)
-
-    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        y = self.few_rows(x.reshape(rows, x.shape[-1])) if rows <= DECODE_ROWS else None
-        if y is not None:
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if getattr(self, "prefill_packed", None) is not None:  # also a few rows whose copy declined (no kernels)
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.prefill_packed, self.bias,
-                                                   "none", [], "")
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if rows > DECODE_ROWS and getattr(self, "prefill_q", None) is not None:  # engine/prefill_int8.py's copy
-            from .prefill_int8 import int8_matmul
-            y = int8_matmul(x.reshape(rows, x.shape[-1]), self.prefill_q, self.prefill_scale, self.bias)
-            if y is not None:
-                return y.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
 
 
 def weights(model) -> tuple[int, int]:
@@ -115,7 +72,7 @@ def prepack_full_weights(model, rows: int = 512) -> dict:
     mapped = _file_mappings()
     with torch.inference_mode():
         for module in model.model.layers.modules():  # not the LM head: it shares the embeddings' weight
-            weight = module._parameters.get("weight") if isinstance(module, _DecodeCopy) else None
+            weight = module._parameters.get("weight") if isinstance(module, DecodeCopy) else None
             if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
                     or getattr(module, "prefill_q", None) is not None:
                 continue
@@ -171,7 +128,7 @@ def release_mapped_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) ->
     return high - low
 
 
-class PackedLinear(_DecodeCopy):
+class PackedLinear(DecodeCopy):
     """The second copy in 4-bit groups, for torch's int4 kernel (`gguf4`)."""
 
     def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, scales_zeros: torch.Tensor):
@@ -181,7 +138,7 @@ class PackedLinear(_DecodeCopy):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
 
-class Q4Linear(_DecodeCopy):
+class Q4Linear(DecodeCopy):
     """The second copy as the file's 4-bit values, two a byte, with a scale and a low per group of 32, for
     engine/kernels' gemv_q4 (`gguf`; round_x: the input rounded to int8 blocks first and the scales and lows
     kept in fp16, `gguf-q8`)."""
@@ -198,7 +155,7 @@ class Q4Linear(_DecodeCopy):
         return gemv_q4(x, self.packed, self.scale, self.low, self.round_x)
 
 
-class Int8Linear(_DecodeCopy):
+class Int8Linear(DecodeCopy):
     """The second copy as the file's int8 values with group scales, for engine/kernels' gemv_int8 (`gguf`,
     `gguf-q8` as Q4Linear's)."""
 

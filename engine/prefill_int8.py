@@ -2,8 +2,8 @@
 MARGINALIA_PREFILL_WEIGHTS=int8), for CPUs that multiply int8 faster than bf16 (AVX-512 VNNI without AMX).
 
 Why: a prefill pass is matmuls, and on such a CPU torch's bf16 matmul runs at ~210 GFLOP/s a core where its int8
-one (`torch._int_mm`, oneDNN, vpdpbusd) runs at ~400 (AMD EPYC, 512 rows, `python -m bench.int8`); llama.cpp
-prefills in int8 there. Each linear's weight gets an int8 copy with one scale per output row
+one (`torch._int_mm`, oneDNN, vpdpbusd) runs at ~400 (AMD EPYC, 512 rows, bench/results/epyc-no-amx/int8-prefill/);
+llama.cpp prefills in int8 there. Each linear's weight gets an int8 copy with one scale per output row
 (w ~ scale[n] * q[n, k], |error| <= scale / 2), each pass's rows are rounded to int8 with one scale per row
 (engine/kernels' quantize_rows), and the int32 sums are scaled back with the bias added in one pass
 (dequantize_rows). Passes of at most DECODE_ROWS rows keep the decode path.
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .packed import DECODE_ROWS, _DecodeCopy
+from .decode_copy import DECODE_ROWS, DecodeCopy
 
 PREFILL_WEIGHTS = ("full", "int8")
 PREFILL_WEIGHTS_HELP = ("int8: passes of many rows (prefill) multiply int8 weights by int8-rounded inputs (faster "
@@ -37,7 +37,7 @@ def pick_prefill_weights(choice: str | None, device: torch.device) -> str:
     return choice
 
 
-class FullLinear(_DecodeCopy):
+class FullLinear(DecodeCopy):
     """A plain linear (no decode copy) that can take an int8 copy for passes of many rows."""
 
     def __init__(self, linear: torch.nn.Linear):
@@ -54,20 +54,6 @@ def int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous(), scale
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor | None:
-    """x [rows, K] (bf16 or fp32) times the int8 copy (q [N, K], scale [N]) plus bias -> [rows, N] in x's
-    dtype; None where engine/kernels are unavailable (the caller's full weight then)."""
-    from .kernels import GEMV
-    if GEMV.load() is None:
-        return None
-    ops = torch.ops.marginalia_gemv
-    rows, row_scale = ops.quantize_rows(x.contiguous())
-    sums = torch._int_mm(rows, q.t())  # q stored [N, K]: oneDNN takes the transposed view as is, the faster layout
-    empty = scale.new_empty(0)
-    return ops.dequantize_rows(sums, row_scale, scale, empty if bias is None else bias.float(), x.dtype)
-
-
 def add_prefill_int8(model: torch.nn.Module) -> dict:
     """Give each decoder layer's INT8_LINEARS an int8 copy for passes of many rows; {matrices, bytes}."""
     matrices = size = 0
@@ -77,7 +63,7 @@ def add_prefill_int8(model: torch.nn.Module) -> dict:
                 linear = getattr(part, name, None)
                 if linear is None:
                     continue
-                if not isinstance(linear, _DecodeCopy):
+                if not isinstance(linear, DecodeCopy):
                     linear = FullLinear(linear)
                     setattr(part, name, linear)
                 q, scale = int8_copy(linear.weight)

@@ -62,6 +62,15 @@ class PromptLayout:
         return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def note_label(segment) -> str:
+    """How a note names where it came from: its segment, and its pages when the text has pages."""
+    pages = segment.pages
+    where = f"segment {segment.index + 1}"
+    if pages:
+        where += f", page {pages[0]}" if pages[0] == pages[1] else f", pages {pages[0]}-{pages[1]}"
+    return where
+
+
 def note_lines(notes: dict[int, str], used: list[int], label: Callable[[int], str]) -> str:
     """The `used` notes as the answer prompt lists them: one line each, tagged with where it came from."""
     return "\n".join(f"- [{label(i)}] {notes[i]}" for i in used)

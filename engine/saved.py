@@ -7,34 +7,30 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable, Iterator
 
+from .events import Event
 from .files import into_place, partial_path
-from .generate import Meter
-from .group_notes import GroupNote
 from .margin_writing import MarginNote
-
-if TYPE_CHECKING:
-    from .wim import Reading
+from .reading_state import ReadingState
 
 SAVED = "reading.json"
 # Settings that shape only the answers, not what a read leaves in the cache: a saved read is taken up whatever
-# they say (and the saves made before they existed keep their fingerprint).
-ANSWER_ONLY = ("answer_retries", "reasoning_tokens")
-# Settings added later, with the value that reads as before: at that value they leave the fingerprint as it was,
-# so the saves made before they existed are still taken up.
-ADDED = {"notes_so_far": False}
+# they say.
+ANSWER_ONLY = ("answer_retries",)
 
 
-def fingerprint(reading: "Reading") -> str:
+def is_saved(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a saved reading (save() puts it in place whole, or not at all)."""
+    return (Path(folder) / SAVED).exists()
+
+
+def fingerprint(reading: ReadingState) -> str:
     """What a saved cache depends on: the model, the document's tokens and the settings."""
     lm = reading.engine.lm
     settings = reading.settings.to_dict()
     for name in ANSWER_ONLY:
         settings.pop(name)
-    for name, before in ADDED.items():
-        if settings[name] == before:
-            settings.pop(name)
     # a cache prefilled through int8 copies holds other values: its own fingerprint (the others' stay as they were)
     numerics = ["prefill=int8"] if getattr(lm, "prefill_int8", None) else []
     blob = json.dumps([lm.name, str(lm.dtype), settings,
@@ -42,14 +38,16 @@ def fingerprint(reading: "Reading") -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = None) -> None:
+def save(reading: ReadingState, folder: str | os.PathLike, last_window_in_cache: Callable[[], Iterator[Event]],
+         max_bytes: int | None = None) -> None:
     """Write every window's cache (safetensors) and what follow-up questions need (reading.json) to `folder`,
-    replacing what was there; written aside first, so a half-written folder is never loaded. `max_bytes` caps
-    the cache files: the last window is always saved (answers need it), earlier windows newest first while the
-    cap allows; a follow-up re-reads the windows left out."""
+    replacing what was there; written aside first, so a half-written folder is never loaded. The last window goes
+    back into the cache first (`last_window_in_cache()`: an answer's look-up may hold it). `max_bytes` caps the
+    cache files: the last window is always saved (answers need it), earlier windows newest first while the cap
+    allows; a follow-up re-reads the windows left out."""
     if not hasattr(reading.cache, "save"):
         raise RuntimeError(f"a {reading.cache.kind} cache cannot be saved")
-    for _ in reading.last_window_in_cache():  # an answer's look-up may hold the cache; its notices say nothing new
+    for _ in last_window_in_cache():  # its notices say nothing the reader needs here
         pass
     folder = Path(folder)
     partial = partial_path(folder)
@@ -57,23 +55,21 @@ def save(reading: "Reading", folder: str | os.PathLike, max_bytes: int | None = 
     windows = reading.window_store.save(partial, reading.cache, max_bytes)
     meta = {"fingerprint": fingerprint(reading), "query": reading.query, "window": reading.window,
             "read_segments": reading.read_segments, "windows": windows,
-            "margins": [asdict(m) for m in reading.margins.values()],
-            "groups": [asdict(g) for g in reading.group_writing.groups.values()]}
+            "margins": [asdict(m) for m in reading.margins.values()]}
     (partial / SAVED).write_text(json.dumps(meta), encoding="utf-8")
     into_place(partial, folder, replace=True)
 
 
-def restore_notes(reading: "Reading", notes: list[MarginNote]) -> None:
+def restore_notes(reading: ReadingState, notes: list[MarginNote]) -> None:
     """Take up a reading's notes without its cache (a read whose cache was not kept, only its notes: a record of
-    it): every segment counts as read, and the cache stays empty. An answer that re-reads its notes' passages
-    (answer style `passages`, or `lookup` past the window) needs nothing more; one that needs the text in the
-    cache says so."""
-    reading._reset(Meter())
+    it): every segment counts as read, and the cache stays empty. An answer past the window, which re-reads its
+    notes' passages, needs nothing more; one that needs the text in the cache says so."""
+    reading.reset()
     reading.read_segments[:] = [s.index for s in reading.segments]
     reading.margins.update({n.index: n for n in notes})
 
 
-def restore(reading: "Reading", folder: str | os.PathLike) -> bool:
+def restore(reading: ReadingState, folder: str | os.PathLike) -> bool:
     """Take up a reading saved by save() (in this or another process): the last window goes into the cache, the
     others stay on disk until remargin() needs them. False if it was saved for another model, text or
     settings, or is missing."""
@@ -84,14 +80,10 @@ def restore(reading: "Reading", folder: str | os.PathLike) -> bool:
         return False
     if meta.get("fingerprint") != fingerprint(reading):
         return False
-    reading._reset(Meter())
+    reading.reset()
     reading.window_store.restore(meta["windows"], folder)
-    reading._load_window(reading.windows[-1])
+    reading.load_window(reading.windows[-1])
     reading.window, reading.query = meta["window"], meta["query"]
     reading.read_segments[:] = meta["read_segments"]
     reading.margins.update({m["index"]: MarginNote(**m) for m in meta["margins"]})
-    for g in meta.get("groups", []):  # readings saved before group notes existed have none
-        group = GroupNote(**g)
-        group.spans = [tuple(span) for span in group.spans]
-        reading.group_writing.groups[group.first, group.last] = group
     return True

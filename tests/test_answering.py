@@ -3,8 +3,8 @@ them, citations written after the pieces whose words a note holds, an answer cut
 end, and "not stated" answers recognised."""
 from __future__ import annotations
 
-from engine.answering import complete_sentences, note_label, reasons_first, says_not_stated, split_answer
-from engine.prompts import prompt
+from engine.answering import complete_sentences, says_not_stated
+from engine.prompts import note_label
 from engine.attribution import attributed, cited, without_citations
 from engine.segment import Segment
 
@@ -117,15 +117,3 @@ def test_a_date_is_cited_by_a_note_holding_more_than_its_year():
     # A piece that is only a number is still cited by the note holding it.
     assert attributed("In 2020.", {4: "The new MMEL was published on April 10, 2020."},
                       "In what year was the new MMEL published?", _label) == "In 2020 [segment 5]."
-
-
-def test_an_answer_that_reasons_first_is_split_at_its_answer():
-    """The notes' prompt asks for a sentence or two, then "Answer:" and the answer: the answer is what follows;
-    where none follows (the reasoning ran to the cap), all of it is the answer."""
-    assert reasons_first(prompt("answer_reasoned"))
-    assert not reasons_first(prompt("answer")) and not reasons_first(prompt("answer_no_notes"))
-    said = "The notes say John went to the office [segment 6], then to the kitchen [segment 15]. Answer: the kitchen"
-    assert split_answer(said) == ("The notes say John went to the office [segment 6], then to the kitchen "
-                                  "[segment 15].", "the kitchen")
-    assert split_answer("The kitchen [segment 15].") == ("", "The kitchen [segment 15].")
-    assert split_answer("The notes say John went to the office. Answer:") == ("", "The notes say John went to the office.")

@@ -62,6 +62,7 @@ def test_a_file_the_cli_cannot_read_gets_the_apps_message(service, tmp_path, nam
     assert out.stderr.strip().splitlines() == [str(app_error.value)]
 
 
+@pytest.mark.slow
 def test_a_cli_reading_of_a_pdf_carries_its_pages(service, tmp_path):
     """One real reading on the embedded model: two pages of the Federal Register PDF, whose margins name the
     pages they were written on (a reading of the raw bytes would have no pages at all)."""

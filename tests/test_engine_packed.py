@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from engine import packed
+from engine.decode_copy import DECODE_ROWS
 from engine.generate import Runner
 from engine.model import embedded_gguf, load_model, pick_decode_weights
 from engine import kernels
@@ -327,7 +328,7 @@ def test_every_4bit_matrix_is_packed(models):
 
 def test_long_passes_keep_the_full_weights(models):
     layer = next(m for m in models[0].model.modules() if isinstance(m, PackedLinear))
-    x = torch.randn(1, packed.DECODE_ROWS + 1, layer.in_features)
+    x = torch.randn(1, DECODE_ROWS + 1, layer.in_features)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     few = x[:, :2]
     assert not torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))  # the kernel ran

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ def _chapter(n_chars: int = 6000) -> str:
 SMALL = Settings(segment_tokens=300, margin_tokens=16, answer_tokens=16, classifier="embedding")
 
 
+@pytest.mark.slow
 def test_babilong_8k_end_to_end(engine):
     data = json.loads(shared("babilong", "babilong_8k.json").read_text())
     # Free-form margins and the YES/NO classifier (the paper's design; extractive notes: tests/test_margins.py).
@@ -135,39 +135,6 @@ def test_follow_up_reuses_cache_and_human_selection(engine):
     assert stats.prefill_tokens == len(reading.answering.window.ids) and reading.cache.length == doc_end
 
 
-def test_an_answer_asked_to_reason_first_keeps_its_reasoning_apart(engine):
-    """Settings.reasoning_tokens asks the notes' prompt for what the notes say, then "Answer:" and the answer:
-    the prompt fed is answer_reasoned's, and the decoded text is split there (Answer.reasoning, Answer.text);
-    by default the prompt is the direct one and nothing is split."""
-    from engine.answering import split_answer
-    from engine.attribution import without_citations
-    from engine.events import AnswerToken
-    question, note = "What is the name of Alice's cat?", {0: "Alice's cat is Dinah."}
-    reading = engine.open(_chapter(), replace(SMALL, reasoning_tokens=48))
-    list(reading.read(question))
-    events = list(reading.answer(question, margins=note))
-    answer = next(e for e in events if isinstance(e, Answer))
-    assert reading.answering.window.ids == engine.layout.suffix("answer_reasoned", query=question,
-                                                                margins="- [segment 1] Alice's cat is Dinah.")
-    streamed = ""
-    for e in events:
-        if isinstance(e, AnswerToken):
-            streamed = e.text if e.restart else streamed + e.text
-    reasoning, said = split_answer(streamed)
-
-    def words(text: str) -> list[str]:  # citations written afterwards, the text cut at its last sentence
-        return re.findall(r"\w+", without_citations(text))
-
-    assert answer.reasoning == reasoning and words(answer.text) == words(said)[:len(words(answer.text))]
-    assert words(answer.text)
-    assert reading.cache.length == reading.doc_end
-    plain = engine.open(_chapter(), SMALL)
-    list(plain.read(question))
-    assert next(e for e in plain.answer(question, margins=note) if isinstance(e, Answer)).reasoning == ""
-    assert plain.answering.window.ids == engine.layout.suffix("answer", query=question,
-                                                              margins="- [segment 1] Alice's cat is Dinah.")
-
-
 def test_combined_classifier_keeps_what_minilm_or_the_note_itself_keeps(engine):
     """`combined`: a note is kept when MiniLM finds it similar enough to the question, or when its own relevance
     (the first step's P(copy) against P(nothing)) is at least COMBINED_RELEVANCE; scored by that relevance.
@@ -216,6 +183,7 @@ def test_segment_too_large_for_the_window_is_a_clear_error(engine):
         engine.open(text, Settings(segment_tokens=7000))
 
 
+@pytest.mark.slow
 def test_cli_jsonl_and_error(tmp_path):
     path = tmp_path / "alice.txt"
     path.write_text(_chapter(2500), encoding="utf-8")

@@ -144,10 +144,8 @@ def test_saved_cache_gives_bit_identical_logits(engine, tmp_path):
 # ---- follow-up questions on a text read in several windows ---------------------------------------------------
 # 46,080 bytes a token (30 layers x keys and values x 3 heads x 64 dims x fp32): a 20 MiB budget keeps window 0
 # in memory and sends the later windows to disk, so both ways back are exercised.
-# Answers from the last window and the notes (answer_style "notes"): these tests are about the windows' caches;
-# the look-up answer window has tests of its own below.
 WINDOWED = Settings(segment_tokens=100, margin_tokens=8, answer_tokens=8, classifier="none", context_limit=512,
-                    window_cache_budget_bytes=20 * 2**20, margins="abstractive", answer_style="notes")
+                    window_cache_budget_bytes=20 * 2**20, margins="abstractive")
 OLD, NEW = "Where does Alice fall?", "What is the name of Alice's cat?"
 
 
@@ -233,9 +231,10 @@ def test_follow_up_re_reads_a_window_it_could_not_keep(engine, windowed):
     assert events[-1].prefill_tokens == kept_events[-1].prefill_tokens + window_tokens
 
 
-def test_an_answer_after_a_stopped_follow_up_reads_the_last_window_again(engine, windowed):
+def test_the_last_window_is_read_again_after_a_stopped_follow_up(engine, windowed):
     """Stopping a follow-up whose windows were not kept leaves an earlier window in the cache: the next answer
-    must not read that one, but build the last window again (with a notice) and answer as before."""
+    (past the window, from its notes' passages read again) answers as before, and the last window is built again
+    (with a notice) where the reading needs it back (saving it, say)."""
     reading = engine.open(windowed[0], replace(WINDOWED, window_cache_budget_bytes=0, window_cache_disk=False))
     list(reading.read(OLD))
     last_window = {k: v.clone() for k, v in reading.cache.state().items()}
@@ -246,9 +245,9 @@ def test_an_answer_after_a_stopped_follow_up_reads_the_last_window_again(engine,
         if isinstance(ev, Margin):
             stop.set()  # in window 0, which remargin had to read again
     assert ev.stopped and reading.cache_window is reading.windows[0]
-    events = list(reading.answer(OLD, margins=notes))
-    assert any(isinstance(e, Notice) and "read again for the answer" in e.text for e in events)
-    assert next(e for e in events if isinstance(e, Answer)).text == first.text
+    assert next(e for e in reading.answer(OLD, margins=notes) if isinstance(e, Answer)).text == first.text
+    events = list(reading.last_window_in_cache())
+    assert any(isinstance(e, Notice) and "is read again" in e.text for e in events)
     # The last window again: the same keys and values, up to fp32 rounding (the first read fed each margin
     # instruction in its segment's last pass, a pass a few dozen rows longer than the re-read's).
     state = reading.cache.state()
@@ -262,7 +261,7 @@ def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_the
     from engine.margin_writing import MarginNote
     from engine.answering import Answering
     reading = copy.copy(windowed[1])  # the margins below are this test's own
-    reading.answering = Answering(reading)
+    reading.answering = Answering(reading, reading.last_window_in_cache)
     n = len(reading.segments)
     reading.margins = {i: MarginNote(i, "", True, 0.9 if i % 2 else 0.6) for i in range(n)}
     notes = {i: "Alice saw the White Rabbit run past her. " * 3 for i in range(n)}  # ~30 tokens: not all fit
@@ -271,7 +270,7 @@ def test_margins_that_do_not_fit_the_answer_give_way_in_cache_then_low_score_the
     last = reading.windows[-1].segments
     order = last + [i for i in range(n) if i not in last and i % 2 == 0] + [i for i in range(n) if i not in last and i % 2]
     assert set(dropped) == set(order[:len(dropped)])
-    assert len(ids) <= reading.limit - reading.doc_end - reading.answering.answer_room(False)
+    assert len(ids) <= reading.limit - reading.doc_end - WINDOWED.answer_tokens
 
 
 def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed, tmp_path):
@@ -289,87 +288,41 @@ def test_saved_cache_under_a_byte_cap_keeps_the_newest_windows(engine, windowed,
     assert engine.open(text, replace(WINDOWED, answer_retries=0)).restore(tmp_path / "capped")
     assert not engine.open(text, replace(WINDOWED, margin_tokens=WINDOWED.margin_tokens + 1)).restore(
         tmp_path / "capped")
-    assert not engine.open(text, replace(WINDOWED, notes_so_far=True)).restore(tmp_path / "capped")
     events = list(reopened.remargin(NEW))
     assert {e.index: e.text for e in events if isinstance(e, Margin)} == expected
     re_read = [e.text for e in events if isinstance(e, Notice) and "read again" in e.text]
     assert len(re_read) == len(reading.windows) - 2
 
 
-def test_inside_one_window_the_passages_style_answers_from_the_kept_notes_passages_alone(engine):
-    """answer_style passages (opt-in; below the default at 16k on the tuning seed): inside one window too, the
-    answer window holds only the kept notes' passages, re-read in document order, then the notes and the
-    question; the default answer afterwards is back on the whole document, the same as a reading that never
-    looked up."""
-    text = _alice(1600)
-    settings = replace(WINDOWED, context_limit=None, answer_style="lookup")
-    reading = engine.open(text, settings)
-    list(reading.read(OLD))
-    assert not reading.multiwindow and len(reading.segments) >= 3
-    chosen = reading.default_selection()[::2]  # every other kept note
-    answer = next(e for e in reading.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
-    window = reading.answering.window
-    assert window.passages and answer.passages == window.passages == sorted(window.passages)
-    assert set(window.passages) <= set(chosen) and len(window.passages) < len(reading.segments)
-    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
-    assert window.ids[:len(passages)] == passages
-    assert reading.cache.length == len(engine.layout.prefix) + len(passages)
-    again = next(e for e in reading.answer(OLD) if isinstance(e, Answer))  # lookup: only past the window
-    fresh = engine.open(text, settings)
-    list(fresh.read(OLD))
-    assert again.passages == [] and again.text == next(e for e in fresh.answer(OLD) if isinstance(e, Answer)).text
-    assert reading.cache.length == reading.doc_end
-
-
-def test_the_recall_style_re_reads_the_kept_notes_passages_after_the_whole_document(engine):
-    """answer_style recall: inside one window the document stays in the cache and the kept notes' passages are
-    re-read after it (their token ids, in document order), then the notes and the question; afterwards the
-    cache is back at the document's end, and the default answer is a fresh reading's."""
-    text = _alice(1600)
-    settings = replace(WINDOWED, context_limit=None)
-    reading = engine.open(text, settings)
-    list(reading.read(OLD))
-    chosen = reading.default_selection()[1::2]
-    doc_end = reading.doc_end
-    answer = next(e for e in reading.answer(OLD, margins=chosen, style="recall") if isinstance(e, Answer))
-    window = reading.answering.window
-    assert answer.passages == window.passages == chosen
-    passages = [t for i in chosen for t in reading.doc.segment_ids(reading.segments[i])]
-    assert window.ids[:len(passages)] == passages and len(window.ids) > len(passages)  # then notes, question
-    assert reading.cache.length == doc_end
-    again = next(e for e in reading.answer(OLD) if isinstance(e, Answer))
-    fresh = engine.open(text, settings)
-    list(fresh.read(OLD))
-    assert again.text == next(e for e in fresh.answer(OLD) if isinstance(e, Answer)).text
-
-
-def test_notes_taken_up_without_their_cache_give_the_passages_answer_of_the_read_itself(engine):
-    """A reading's notes taken up without its cache (restore_notes: say, from a record of the read) give the
-    same passages-style answer, token for token, as the reading that holds its cache; an answer that needs the
-    text in the cache says so instead of answering from nothing."""
-    text = _alice(1600)
-    settings = replace(WINDOWED, context_limit=None)
-    reading = engine.open(text, settings)
+def test_notes_taken_up_without_their_cache_give_the_answer_of_the_read_itself(engine):
+    """Past the window, a reading's notes taken up without its cache (restore_notes: say, from a record of the
+    read) give the same answer, token for token, as the reading that holds its cache (both re-read the notes'
+    passages); inside one window, where the answer needs the text in the cache, it says so instead of answering
+    from nothing."""
+    text = _alice(3200)
+    reading = engine.open(text, WINDOWED)
     list(reading.read(OLD))
     chosen = reading.default_selection()
-    assert chosen
-    read = next(e for e in reading.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
-    notes_only = engine.open(text, settings)
+    assert chosen and reading.multiwindow
+    read = next(e for e in reading.answer(OLD, margins=chosen) if isinstance(e, Answer))
+    notes_only = engine.open(text, WINDOWED)
     notes_only.restore_notes([copy.deepcopy(m) for m in reading.margins.values()])
     assert notes_only.cache.length == 0 and not notes_only.windows
-    taken_up = next(e for e in notes_only.answer(OLD, margins=chosen, style="passages") if isinstance(e, Answer))
+    taken_up = next(e for e in notes_only.answer(OLD, margins=chosen) if isinstance(e, Answer))
     assert notes_only.answering.window.ids == reading.answering.window.ids
     assert (taken_up.text, taken_up.passages, taken_up.citations) == (read.text, read.passages, read.citations)
+    one = engine.open(_alice(1600), replace(WINDOWED, context_limit=None))
+    one.restore_notes([copy.deepcopy(m) for m in reading.margins.values() if m.index < len(one.segments)])
     with pytest.raises(RuntimeError, match="notes but not its text"):
-        list(notes_only.answer(OLD, margins=chosen))
+        list(one.answer(OLD))
 
 
 def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
-    """A 3-window reading answered with the look-up (answer_style lookup): the answer window holds the passages
-    of the kept notes, re-read in document order (their token ids), then the notes in reading order and the
-    question. The last window was kept first, so a notes-only answer afterwards finds it as the reading left it."""
+    """A 3-window reading answered with the look-up: the answer window holds the passages of the kept notes,
+    re-read in document order (their token ids), then the notes in reading order and the question. The last
+    window was kept first, so the reading puts it back as it left it (for saving, or a new question's margins)."""
     text = _alice(3200)
-    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
+    reading = engine.open(text, WINDOWED)
     list(reading.read(OLD))
     assert len(reading.windows) >= 3 and reading.multiwindow
     kept = reading.default_selection()
@@ -386,46 +339,9 @@ def test_past_the_window_the_answer_re_reads_the_kept_notes_passages(engine):
     assert answer.margins_used and at == sorted(at) and after.rindex(OLD) > at[-1]
     if len(window.passages) < len(kept):
         assert any(isinstance(e, Notice) and "re-reads the passages" in e.text for e in events)
-    # Back to the last window for a notes-only answer: the same answer as a reading that never looked up.
-    again = next(e for e in reading.answer(OLD, style="notes") if isinstance(e, Answer))
-    fresh = engine.open(text, WINDOWED)
-    list(fresh.read(OLD))
-    plain = next(e for e in fresh.answer(OLD) if isinstance(e, Answer))
-    assert again.passages == [] and again.text == plain.text
+    assert list(reading.last_window_in_cache()) == []  # kept: loaded back, nothing read again
+    assert reading.cache_window is reading.windows[-1]
     assert reading.cache.length == reading.doc_end == reading.windows[-1].doc_end
-
-
-def test_past_the_window_the_filled_answer_adds_the_likeliest_passages_after_the_notes_own(engine):
-    """answer_style filled: past the window the answer window holds the kept notes' passages (those the look-up
-    re-reads) and, in the room they leave, the passages of the other segments the margins scored highest
-    (greedily, highest first), all in document order (their token ids), then the notes and the question."""
-    text = _alice(3200)
-    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
-    list(reading.read(OLD))
-    assert reading.multiwindow
-    scores = {i: m.score for i, m in reading.margins.items()}
-    kept = sorted(sorted(scores, key=lambda i: (-scores[i], i))[:1])  # one note: room is left for others
-    list(reading.answer(OLD, margins=kept))
-    own = reading.answering.window.passages
-    events = list(reading.answer(OLD, margins=kept, style="filled"))
-    answer = next(e for e in events if isinstance(e, Answer))
-    window = reading.answering.window
-    assert own == kept and set(own) < set(window.passages)
-    assert answer.passages == window.passages == sorted(window.passages)
-    passages = [t for i in window.passages for t in reading.doc.segment_ids(reading.segments[i])]
-    assert window.ids[:len(passages)] == passages
-    after = engine.lm.tokenizer.decode(window.ids[len(passages):])
-    assert f"[segment {kept[0] + 1}] {reading.margins[kept[0]].text}" in after and after.rindex(OLD) > 0
-    room = reading.limit - len(engine.layout.prefix) - (len(window.ids) - len(passages)) - WINDOWED.answer_tokens
-    used = sum(reading.segments[i].tokens for i in window.passages)
-    lowest = min(scores[i] for i in set(window.passages) - set(kept))
-    for i in set(scores) - set(window.passages):
-        assert scores[i] <= lowest or reading.segments[i].tokens > room - used
-    assert any(isinstance(e, Notice) and "more the margins scored likeliest" in e.text for e in events)
-    # Inside one window the filled answer reads the text, as the look-up does.
-    one = engine.open(_alice(1600), replace(WINDOWED, answer_style="filled", context_limit=None))
-    list(one.read(OLD))
-    assert next(e for e in one.answer(OLD) if isinstance(e, Answer)).passages == []
 
 
 def test_past_the_window_with_no_note_kept_the_answer_re_reads_the_likeliest_passages(engine):
@@ -434,7 +350,7 @@ def test_past_the_window_with_no_note_kept_the_answer_re_reads_the_likeliest_pas
     ids), as many as fit (greedily, highest first), then the question; not the last window, which is only where
     the text happened to end."""
     text = _alice(3200)
-    reading = engine.open(text, replace(WINDOWED, answer_style="lookup"))
+    reading = engine.open(text, WINDOWED)
     list(reading.read(OLD))
     assert reading.multiwindow
     events = list(reading.answer(OLD, margins=[]))
@@ -454,6 +370,6 @@ def test_past_the_window_with_no_note_kept_the_answer_re_reads_the_likeliest_pas
         assert scores[i] <= lowest or reading.segments[i].tokens > room - used
     assert any(isinstance(e, Notice) and "No note was kept" in e.text for e in events)
     # Inside one window the document is in the cache: no passage is re-read for an answer without notes.
-    one = engine.open(_alice(1600), replace(WINDOWED, answer_style="lookup", context_limit=None))
+    one = engine.open(_alice(1600), replace(WINDOWED, context_limit=None))
     list(one.read(OLD))
     assert next(e for e in one.answer(OLD, margins=[]) if isinstance(e, Answer)).passages == []

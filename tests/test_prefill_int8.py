@@ -10,8 +10,8 @@ from conftest import shared
 from engine import kernels
 from engine.generate import Runner
 from engine.model import load_model
-from engine.packed import DECODE_ROWS
-from engine.prefill_int8 import INT8_LINEARS, int8_copy, int8_matmul, pick_prefill_weights
+from engine.decode_copy import DECODE_ROWS, int8_matmul
+from engine.prefill_int8 import INT8_LINEARS, int8_copy, pick_prefill_weights
 
 needs_kernels = pytest.mark.skipif(kernels.GEMV.load() is None, reason="engine/kernels unavailable (no AVX2)")
 
@@ -79,10 +79,10 @@ def test_the_model_prefills_with_int8_copies_and_decodes_as_before(monkeypatch):
     assert lm.prefill_int8["matrices"] == layers * len(INT8_LINEARS)
     assert lm.info["prefill_weights"].startswith(f"int8 for {layers * len(INT8_LINEARS)} matrices")
     assert lm.model.model.layers[0].mlp.down_proj.__dict__.get("prefill_q") is None  # kept in full: see the module
-    from engine import prefill_int8
+    from engine import decode_copy
     calls = []
-    real = prefill_int8.int8_matmul
-    monkeypatch.setattr(prefill_int8, "int8_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = decode_copy.int8_matmul
+    monkeypatch.setattr(decode_copy, "int8_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     text = shared("books", "pg84.txt").read_text(encoding="utf-8")[20_000:23_000]
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"][:300]
     runner = Runner(lm.model, lm.tokenizer, lm.device)

@@ -10,7 +10,7 @@ non-boolean mask), so a caller can always fall back to its own path.
 as the GGUF's own values and group scales (engine/packed.py's `gguf` packs), with the rows in fp32 or rounded
 to int8 blocks as llama.cpp rounds them (`gguf-q8`), or None likewise. Where the CPU has AVX-512 VNNI the build
 adds its flags and the int8-input kernels take two groups an instruction, the same values bit for bit: a decode
-step of the 1.5B 1.25x faster on 2 threads and 1.56x on 1 (bench.decode_kernels, AMD EPYC without AMX).
+step of the 1.5B 1.25x faster on 2 threads and 1.56x on 1 (bench/results/decode_kernels/, AMD EPYC without AMX).
 decode_layers.cpp is built into the same library: `decode_layers()` gives engine/decode_step.py a decode step's
 layers run from C++ (the same values as its Python loop, without Python's cost per op).
 int8_rows.cpp, in the same library, rounds a pass's rows to int8 and scales int32 sums back for
@@ -242,7 +242,7 @@ def decode_layers(head_dim: int, scaling: float):
 
 def use_avx512(enable: bool) -> bool:
     """Turns the int8-input kernels' AVX-512 VNNI path on or off (it is on where it was built); returns whether it
-    is in use. For comparing the two paths, which give the same values: tests and bench.decode_kernels."""
+    is in use. For comparing the two paths, which give the same values: tests and bench/results/decode_kernels/."""
     if GEMV.load() is None:
         return False
     return bool(torch.ops.marginalia_gemv.use_avx512(enable))
