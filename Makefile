@@ -19,7 +19,7 @@ LLAMA_CPP   ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE := -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
   $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
 
-.PHONY: run test cli bench book eval load browser clean vllm bench-server bench-llamacpp
+.PHONY: run test quick cli bench book eval load browser clean vllm bench-server bench-llamacpp
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,12 @@ browser:
 
 test: $(STAMP) browser $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The edit-test loop: every test that needs no browser, no server, no 1.5B model and no minutes-long benchmark
+# run (the markers in pytest.ini; a new slow test is left out by marking it). CI runs everything: `make test`.
+QUICK_MARKERS := not slow and not browser and not server and not qwen
+quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$(QUICK_MARKERS)" $(PYTEST_ARGS)
 
 cli: $(STAMP)
 	$(BIN)/python -m engine read ../shared/data/babilong/babilong_8k.json

@@ -163,7 +163,7 @@ def _naive_two_pass(engine, text, query, settings, fixed) -> Run:
                 scratch = runner.scratch(cache, cache.length)
             writer, pieces = whole.notes.writer_for(seg)
             note = _note(writer.write(scratch, instruction, pieces))
-            list(whole.notes.file(seg, note, query, classifier, None, 0.0, whole._keep_margin))
+            list(whole.notes.file(seg, note, query, classifier, None, 0.0, whole.keep_margin))
             list(runner.drain())
         pass1_kv = cache.nbytes() + _classifier_scratch_bytes(engine, whole)
         del cache

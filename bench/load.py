@@ -13,7 +13,7 @@ short document at the same time. Measured and checked:
 - two Opens in the library in quick succession (the first still pending) leave the panel on the last;
 - `PRAGMA integrity_check` is ok afterwards.
 
-    python -m bench.load                      # 8 API clients + 2 browsers (the issue's run)
+    python -m bench.load                      # 8 API clients + 2 browsers (the full run)
     python -m bench.load --api 3 --browsers 1 # what tests/test_app_reliability.py runs
 """
 from __future__ import annotations

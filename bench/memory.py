@@ -1,6 +1,5 @@
-"""`python -m bench.memory`: peak resident memory of a whole reading (load, read, answer) with the default model,
-the weights loaded two ways side by side, each in its own process: cast to the engine's dtype while loading the
-fp32 conversion (MARGINALIA_CAST_CACHE=off), and from the conversion copied once in that dtype (the default).
+"""`python -m bench.memory`: peak resident memory of a whole reading (load, read, answer) with the default model, in
+a process of its own.
 
 Each peak is set against what the reading must hold: the weights, the 4-bit decode packs and the KV cache of the
 tokens read. Results: bench/results/memory.{json,md}.
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, ROOT, SHARED, cpu_name, md_table, peak_rss_bytes, write_results
 
-SIDES = {"cast while loading": "off", "converted in the engine's dtype": "on"}
+SIDES = ("converted in the engine's dtype",)  # the one way the engine loads its weights
 
 
 def child(spec: str, path: str) -> dict:
@@ -56,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(spec, args.file)))
         return 0
     rows = []
-    for label, cast in SIDES.items():
+    for label in SIDES:
         cmd = [sys.executable, "-m", "bench.memory", "--child", "--model", spec, "--file", args.file]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "MARGINALIA_CAST_CACHE": cast, "HF_HUB_OFFLINE": "1"})
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode != 0:
             raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
         row = json.loads(done.stdout.strip().splitlines()[-1]) | {"side": label}
@@ -75,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{meta['model']}, {meta['dtype']}, `{meta['file']}` read and answered (default settings), "
                     f"one process per row; CPU: {meta['cpu']}.\n",
                     md_table(["weights loaded", "weights MiB", "decode packs MiB", "KV MiB", "peak RSS MiB",
-                              "peak / (weights + packs + KV)"], table), "",
-                    f"Peak, cast while loading / converted once: "
-                    f"{rows[0]['peak_rss_mib'] / rows[1]['peak_rss_mib']:.2f}x.", ""])
+                              "peak / (weights + packs + KV)"], table), ""])
     paths = write_results(args.out, "memory", {"meta": meta, "rows": rows}, md)
     print(md)
     print(f"wrote {paths[0]} and {paths[1]}")

@@ -3,7 +3,7 @@
 The yardstick is the model's own matmuls: every linear layer of one transformer layer (q, k, v, o, gate, up,
 down) at PREFILL_CHUNK rows, in the engine's dtype and at the thread count given (default: torch's, which is what
 the app uses), measured in the same process right before each prefill. A prefill's rate counts every matmul FLOP
-of its layers and of causal attention (bench.speed's Shape), so a pass that ran its linears at the yardstick's rate
+of its layers and of causal attention (bench/flops.py's Shape), so a pass that ran its linears at the yardstick's rate
 and its attention as fast would score 100%. Beside the yardstick, every layer's linears in the order a pass
 calls them, nothing else between them: the yardstick repeats one layer, whose weights stay in the cache, while a
 pass reads each layer's from memory once, so this is the most a pass can reach with these matmuls. Each prefill
@@ -25,32 +25,11 @@ from functools import partial
 from pathlib import Path
 
 from .common import RESULTS, book, cpu_name, environment, load_engine, md_table, median, timed, write_results
-from .speed import TARGETS, Shape
+from .flops import Shape, layer_linears, linear_gflops
+from .speed import TARGETS
 
 TARGET = TARGETS["prefill_efficiency"][1]  # bench.speed's row 4: prefill / the model's own matmuls, 512 and 4k
 LENGTHS = (512, 4096, 16384)
-
-
-def layer_linears(model, index: int = 0) -> dict:
-    layer = model.model.layers[index]
-    a, m = layer.self_attn, layer.mlp
-    return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
-            "down": m.down_proj}
-
-
-def linear_gflops(model, dtype, rows: int, reps: int = 3) -> dict:
-    """The model's own matmul rate: one layer's linears at `rows` rows, as a prefill pass calls them (the modules
-    themselves: a 4-bit decode pack steps aside for passes this long). GFLOP/s over all seven, and each."""
-    import torch
-    each, flops, seconds = {}, 0, 0.0
-    with torch.inference_mode():
-        for name, linear in layer_linears(model).items():
-            x = torch.randn(rows, linear.in_features, dtype=dtype)
-            s = timed(lambda: linear(x), reps)
-            f = 2 * rows * linear.in_features * linear.out_features
-            each[name] = f / s / 1e9
-            flops, seconds = flops + f, seconds + s
-    return {"gflops": flops / seconds / 1e9, "each": each}
 
 
 def linears_in_order_gflops(model, dtype, rows: int, reps: int = 3) -> float:

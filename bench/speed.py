@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .common import (RESULTS, book, fmt_bytes, load_engine, machine, md_table, median, n_tokens, peak_rss_bytes,
                      prose, reset_peak_rss, rss_bytes, segment_tokens_for, write_results)
+from .flops import Shape, linear_gflops
 
 # wim-forward: WiM again with transformers' forward for every pass (MARGINALIA_PREFILL_PASS=forward), untimed in
 # the rows: the reference pattern computes its passes with that forward, so its margins and answer must equal
@@ -30,7 +31,7 @@ MODES = ("wim", "plain", "naive", "reference", "wim-forward")
 QUERY = "Where is Walton's expedition going, and what does he hope to find there?"
 FOLLOWUP = "Who is Margaret Saville?"
 BOOK = "pg84.txt"  # Frankenstein: Walton's letters, then Victor's story
-TARGETS = {  # (comparison, bound), as the issue states them
+TARGETS = {  # (comparison, bound): the project's targets
     "wim_vs_plain": ("<=", 1.3), "naive_vs_wim": (">=", 1.5), "reference_vs_wim": (">=", 1.5),
     "prefill_efficiency": (">=", 0.85), "followup": ("<=", 0.10), "memory": ("<=", 1.25)}
 
@@ -156,41 +157,6 @@ class Worker:
 
 
 # ---- microbenchmarks (this process) ------------------------------------------------------------------------------
-@dataclass
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def of(cls, model) -> "Shape":
-        c = model.config.get_text_config(decoder=True)
-        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.intermediate_size,
-                   c.vocab_size)
-
-    def weight_flops(self) -> int:
-        """Matmul FLOPs per token in the transformer layers: q and o (hidden x hidden), k and v (hidden x kv
-        width), gate, up and down (hidden x intermediate); 2 FLOPs per multiply-add."""
-        d, kv = self.hidden, self.kv_heads * self.head_dim
-        return 2 * self.layers * (2 * d * self.heads * self.head_dim + 2 * d * kv + 3 * d * self.intermediate)
-
-    def attention_flops(self, start: int, n: int) -> int:
-        """QK^T and AV for n new tokens after `start` cached ones, causal: token p attends to p+1 keys."""
-        keys = n * start + n * (n + 1) // 2
-        return 4 * self.layers * self.heads * self.head_dim * keys
-
-    def head_flops(self, rows: int) -> int:
-        return 2 * self.hidden * self.vocab * rows
-
-    def prefill_flops(self, n: int, logits_rows: int = 1) -> int:
-        return n * self.weight_flops() + self.attention_flops(0, n) + self.head_flops(logits_rows)
-
-
 def _sync(device) -> None:
     import torch
     if getattr(device, "type", device) == "cuda":
@@ -209,7 +175,6 @@ def _microbenchmarks(engine, cfg: Config, log) -> dict:
     from engine.cache import make_cache
     from engine.generate import PREFILL_CHUNK, Runner
     from engine.model import dtype_name
-    from .prefill import linear_gflops
     lm = engine.lm
     model, device = lm.model, lm.device
     shape = Shape.of(model)
@@ -624,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         micro = microbenchmarks(engine, cfg, log)
         progress.put("micro", micro)
     tokenizer = lm.tokenizer
-    from engine.model import dtype_name, release_freed_memory
+    from engine.model import dtype_name
+    from engine.model_files import release_freed_memory
     meta = {"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device),
             "machine": machine(), "quick": args.quick, "segments": cfg.segments, "margin_tokens": cfg.margin_tokens,
             "answer_tokens": cfg.answer_tokens, "margins": cfg.margins, "config": asdict(cfg), "gemm": micro["gemm"],

@@ -15,7 +15,8 @@ from engine.events import Answer, Margin, Notice, ServerRequest, Stats
 
 from tests.conftest import shared
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="no .venv-vllm: run `make vllm` (make test does)")
+pytestmark = [pytest.mark.server,
+              pytest.mark.skipif(not vllm_available(), reason="no .venv-vllm: run `make vllm` (make test does)")]
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,8 @@ SPACE_VENV_PEAK = 11.2e9
 
 
 @pytest.mark.disk_heavy
+@pytest.mark.slow
+@pytest.mark.server
 def test_a_clean_venv_from_requirements_starts_the_app(tmp_path):
     python = zerogpu_python()
     if python is None:
