@@ -42,7 +42,7 @@ def test_margins_together_equal_one_after_another(engine, margins):
         together = list(reading.notes.write_together([reading.segments[i] for i in window.segments],
                                                      window.boundaries, NEW, classifier, reading.cache,
                                                      reading.doc_end, reading.limit, None,
-                                                     reading._keep_margin))
+                                                     reading.keep_margin))
     finally:
         handle.remove()
     assert reading.cache.length == reading.doc_end  # every row cut off again
