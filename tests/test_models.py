@@ -62,7 +62,7 @@ def test_gguf_conversion_streamed_equals_what_transformers_loads(tmp_path, monke
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setattr(model_files, "CAST_SHARD_BYTES", 64 * 2**20)  # several shards, as for the 1.5B
-    monkeypatch.setattr(models, "GGUF_CHUNK_BYTES", 4 * 2**20)  # the large tensors de-quantized in several runs
+    monkeypatch.setattr(model_files, "GGUF_CHUNK_BYTES", 4 * 2**20)  # the large tensors de-quantized in several runs
     gguf = model_files.embedded_gguf()
     folder = model_files.convert_gguf(gguf, tmp_path / "streamed")
     assert not list(tmp_path.glob("streamed.partial*"))
